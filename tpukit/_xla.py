@@ -246,3 +246,11 @@ def is_materialized(t: Any) -> bool:
     """True when a tensor is backed by device data (no pending computation)."""
     info = torch_xla()._XLAC._get_xla_tensor_debug_info(t)
     return "Device Data: " in info and "XLAData: None" not in info or "IR: None" in info
+
+
+def to_cpu_tensors(tensors: Sequence[Any]) -> list:
+    """Copy device tensors to CPU in one transfer (no graph execution for device data)."""
+    tensors = list(tensors)
+    if not tensors:
+        return []
+    return list(torch_xla()._XLAC._xla_get_cpu_tensors(tensors))
