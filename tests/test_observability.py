@@ -1,0 +1,277 @@
+"""Metrics snapshots, compile events, step closures and guards on XLA:CPU (issue: core observability)."""
+
+import inspect
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+import tpukit
+from tpukit import _xla, compiles, metrics, steps
+from conftest import run_python
+
+
+def _model(dev, seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)).to(dev)
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2)
+
+
+def _batches(n, size=16, change_at=None, new_size=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(1, n + 1):
+        b = new_size if change_at is not None and i >= change_at else size
+        out.append((torch.randn(b, 8, generator=g), torch.randint(0, 3, (b,), generator=g)))
+    return out
+
+
+def _train_step(model, opt, x, y):
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_tracing_is_on_in_this_process(rt):
+    assert compiles.tracing_enabled()
+    assert compiles.log().path == rt.trace_file
+
+
+def test_induced_recompilation_is_found_at_the_right_line(rt):
+    model, opt = _model(rt.device)
+    data = _batches(8, change_at=5)
+    with pytest.raises(tpukit.RecompilationError) as err:
+        with tpukit.expect_compiles(max=0):
+            loop_line = inspect.currentframe().f_lineno + 2
+            tracker = tpukit.track(data, progress=False)
+            for x, y in tracker:
+                _train_step(model, opt, x, y)
+    recs = tracker.history
+    assert [r.step for r in recs] == list(range(1, 9))
+    assert recs[4].compiles == 1  # step 5: batch 16 -> 12
+    assert all(r.compiles == 0 for r in recs[2:4] + recs[5:])
+    (event,) = recs[4].recompilations
+    assert event.recompilation and "shape" in event.hint
+    assert event.user_frame.filename == __file__ and event.user_frame.line == loop_line
+    assert f"test_observability.py:{loop_line}" in str(err.value)
+    # Steps 1 and 2 (optimizer state created, then steady graph) are warm-up, not alarms.
+    assert not recs[0].recompilations and not recs[1].recompilations
+
+
+def test_steady_loop_compiles_at_most_two_graphs_and_passes_guard(rt):
+    model, opt = _model(rt.device, seed=3)
+    tracker = tpukit.track(_batches(20, size=24), progress=False, guard=tpukit.no_recompile_after(warmup_steps=2))
+    for x, y in tracker:
+        _train_step(model, opt, x, y)
+    s = tracker.summary()
+    assert s["steps"] == 20 and s["compiles"] <= 2 and s["recompilations"] == 0
+    assert sum(r.compiles for r in tracker.history[2:]) == 0
+
+
+def test_guard_raises_on_a_late_compile(rt):
+    model, opt = _model(rt.device, seed=4)
+    with pytest.raises(tpukit.RecompilationError, match="after 2 warm-up step"):
+        for x, y in tpukit.track(_batches(6, size=20, change_at=4, new_size=13), progress=False,
+                                 guard=tpukit.no_recompile_after(warmup_steps=2)):
+            _train_step(model, opt, x, y)
+
+
+def test_log_adds_no_executions_and_reads_exact_values(rt):
+    def run(with_log):
+        model, opt = _model(rt.device, seed=5)
+        data = _batches(6, size=10, seed=7)
+
+        def loop():
+            kept = []
+            tracker = tpukit.track(data, progress=False)
+            for x, y in tracker:
+                loss = _train_step(model, opt, x, y)
+                if with_log:
+                    tpukit.log(loss=loss, lr=0.01)
+                kept.append(loss.detach())
+            return tracker, kept
+
+        loop()  # warm both graphs first
+        _xla.wait_device_ops()  # executions are counted when they finish
+        before = metrics.snapshot()
+        tracker, kept = loop()
+        _xla.wait_device_ops()
+        return metrics.snapshot() - before, tracker, kept
+
+    plain, _, _ = run(False)
+    logged, tracker, kept = run(True)
+    assert logged.executions == plain.executions
+    assert logged.compiles == plain.compiles == 0
+    assert [r.scalars["loss"] for r in tracker.history] == [k.item() for k in kept]
+    assert all(r.scalars["lr"] == 0.01 for r in tracker.history)
+
+
+def test_log_rejects_non_scalars(rt):
+    with pytest.raises(ValueError, match="shape \\(3,\\)"):
+        tpukit.log(v=torch.ones(3, device=rt.device))
+    with pytest.raises(TypeError, match="str"):
+        tpukit.log(v="high")
+
+
+def test_item_inside_a_step_is_reported_as_forced_execution(rt):
+    model, opt = _model(rt.device, seed=6)
+    tracker = tpukit.track(_batches(3, size=9, seed=9), progress=False)
+    for x, y in tracker:
+        loss = _train_step(model, opt, x, y)
+        item_line = inspect.currentframe().f_lineno + 1
+        if loss.item() > 100:  # reading the value mid-step forces an execution
+            pass
+    forced = [e for r in tracker.history for e in r.compile_events if e.forced]
+    assert forced, [e.describe() for r in tracker.history for e in r.compile_events]
+    assert forced[0].user_frame.line == item_line
+    assert ".item()" in forced[0].hint
+    assert all(r.item_reads >= 1 for r in tracker.history)
+
+
+def test_cpu_fallback_is_listed_in_delta(rt):
+    before = tpukit.snapshot()
+    x = torch.tensor([0.0, 1.0, 0.0, 2.0], device=rt.device)
+    idx = torch.nonzero(x)
+    assert idx.cpu().flatten().tolist() == [1, 3]
+    d = tpukit.snapshot() - before
+    assert d.fallbacks.get("aten::nonzero", 0) >= 1
+    assert "CPU fallbacks: aten::nonzero x" in str(d)
+    assert d.to_host >= 1 and "device->host transfer" in str(d)
+    assert d.memory is None  # XLA:CPU has no allocator stats: absent, not an error
+    rows = dict(metrics.table(tpukit.snapshot(memory=True), full=True))
+    assert rows["device memory"] == "not reported by this device"
+
+
+def test_delta_line_format():
+    a = metrics.Snapshot(time=0.0)
+    b = metrics.Snapshot(time=2.0, compiles=2, compile_time=1.4, executions=5, execute_time=0.3, to_host=1,
+                         fallbacks={"aten::nonzero": 3})
+    assert str(b - a) == ("2 compiles (1.4 s) · 5 executions (0.3 s) · 1 device->host transfer · "
+                          "CPU fallbacks: aten::nonzero x3")
+
+
+def test_compiling_now_while_a_large_graph_compiles(rt):
+    def big():
+        x = torch.randn(64, 64, device=rt.device)
+        for i in range(600):
+            x = torch.tanh(x @ x.T * (1.0 + i / 1000.0)) + i
+        torch_sync()
+
+    from tpukit import _xla
+
+    def torch_sync():
+        _xla.sync(wait=True)
+
+    assert tpukit.compiling_now() is None
+    t = threading.Thread(target=big)
+    t.start()
+    seen = None
+    deadline = time.time() + 120
+    while t.is_alive() and time.time() < deadline and seen is None:
+        seen = tpukit.compiling_now()
+        time.sleep(0.02)
+    t.join()
+    assert seen is not None and seen.compiling and seen.start <= time.time()
+    assert tpukit.compiling_now() is None
+    done = compiles.log().events[seen.index]
+    assert done.end is not None and done.duration > 0
+
+
+def test_cell_mapping_through_an_interactive_shell(rt):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_cell("import torch, tpukit", store_history=True)
+        n0 = compiles.event_count()
+        res = shell.run_cell("x = torch.ones(5, 7, device='xla')\n"
+                             "y = (x * 3 + 1).sum()\n"
+                             "value = y.item()\n", store_history=True)
+        assert res.success, res.error_in_exec
+        events = compiles.events_since(n0)
+        assert events, "the cell compiled nothing"
+        frame = events[-1].user_frame
+        assert frame.cell == f"[{res.execution_count}]" and frame.line == 3
+        assert events[-1].where == f"cell [{res.execution_count}] line 3"
+    finally:
+        InteractiveShell.clear_instance()
+
+
+def test_on_step_every_n_and_failing_listener_is_detached(rt):
+    model, opt = _model(rt.device, seed=8)
+    seen = []
+    remove = tpukit.on_step(lambda r: seen.append(r.step), every=2)
+
+    class Broken:
+        calls = 0
+
+        def on_step(self, rec):
+            Broken.calls += 1
+            raise RuntimeError("renderer exploded")
+
+    broken = tpukit.add_listener(Broken())
+    try:
+        with pytest.warns(tpukit.TpukitWarning, match="renderer exploded"):
+            tracker = tpukit.track(_batches(6, size=5), progress=False)
+            for x, y in tracker:
+                _train_step(model, opt, x, y)
+    finally:
+        remove()
+        tpukit.remove_listener(broken)
+    assert seen == [2, 4, 6]
+    assert Broken.calls == 1 and broken not in steps.listeners()
+    assert len(tracker.history) == 6  # the loop went on
+
+
+def test_on_step_outside_track_fires_per_sync(rt):
+    from tpukit import _xla
+
+    records = []
+    remove = tpukit.on_step(records.append)
+    try:
+        x = torch.ones(4, device=rt.device)
+        for _ in range(3):
+            x = x * 2
+            tpukit.log(total=x.sum())
+            _xla.sync()
+    finally:
+        remove()
+    assert [r.scalars.get("total") for r in records[-3:]] == [8.0, 16.0, 32.0]
+
+
+def test_expect_compiles_decorator_passes_when_warm(rt):
+    x = torch.ones(3, 3, device=rt.device)
+
+    def f():
+        return (x @ x + 1).sum()
+
+    with tpukit.expect_compiles(max=1) as guard:
+        first = f()
+    assert guard.compiled == 1
+
+    @tpukit.expect_compiles(max=0)
+    def warm():
+        return f()
+
+    assert warm().item() == first.item() == 36.0  # same graph again: no compile, no error  # same graph again: no compile, no error
+
+
+def test_without_tracing_counts_still_work_and_say_so():
+    code = ("import tpukit, torch\n"
+            "tpukit.setup(device='cpu', trace_compiles=False)\n"
+            "from tpukit import compiles\n"
+            "print(compiles.tracing_enabled())\n"
+            "try:\n"
+            "    with tpukit.expect_compiles(max=0):\n"
+            "        r = (torch.ones(3, device='xla') * 5).sum()\n"
+            "except tpukit.RecompilationError as e:\n"
+            "    print(str(e).replace('\\n', ' '))\n")
+    out = run_python(code, env={"PJRT_DEVICE": "CPU"})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[-2] == "False"
+    assert "compiled 1" in lines[-1] and "compile tracing is off" in lines[-1]

@@ -1,0 +1,188 @@
+"""Device setup, diagnostics and the doctor CLI (issue: foundation)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+import tpukit
+from tpukit import environment, runtime
+from conftest import run_python
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_setup_report_fields(rt):
+    assert rt.platform == "local"
+    assert rt.device_type == "CPU"
+    assert rt.device.startswith("xla")
+    assert rt.device_count >= 1
+    assert rt.process_count == 1 and rt.world_size == 1
+    assert rt.spmd is False
+    assert rt.versions["torch"] == metadata.version("torch")
+    assert rt.versions["torch_xla"] == metadata.version("torch_xla")
+    assert rt.versions["tpukit"] == tpukit.__version__
+    assert rt.trace_file and os.path.exists(rt.trace_file)
+    assert rt.compile_cache is None
+    text = rt.report()
+    assert "platform" in text and "CPU" in text and "compile tracing" in text
+    html = rt._repr_html_()
+    assert html.startswith("<table") and "torch_xla" in html
+    assert repr(rt).startswith("Runtime(local: ")
+    assert json.loads(json.dumps(rt.to_dict(), default=str))["device_type"] == "CPU"
+
+
+def test_setup_is_idempotent(rt):
+    assert tpukit.setup(device="cpu") is rt
+    assert tpukit.setup() is rt
+    assert runtime.current() is rt
+
+
+def test_settings_after_start_are_reported_not_dropped(rt):
+    later = tpukit.setup(device="cpu", cpu_devices=4, spmd=True)
+    assert later is not rt
+    joined = " ".join(later.problems)
+    assert "cpu_devices=4" in joined and "spmd=True" in joined
+    assert "Restart the kernel" in joined
+    assert runtime.current() is rt  # the running runtime itself did not change
+
+
+def test_compile_cache_on_cpu_is_refused_with_reason(tmp_path):
+    out = run_python(
+        "import tpukit; rt = tpukit.setup(device='cpu', compile_cache=%r); print('|'.join(rt.problems)); print(rt.compile_cache)"
+        % str(tmp_path / "cache"), env={"PJRT_DEVICE": "CPU"})
+    assert out.returncode == 0, out.stderr
+    problems, cache = out.stdout.strip().splitlines()[-2:]
+    assert "cannot read them back" in problems
+    assert cache == "None"
+
+
+def test_cpu_devices_gives_that_many_devices():
+    out = run_python("import tpukit; rt = tpukit.setup(device='cpu', cpu_devices=4); print(rt.device_count, rt.problems)",
+                     env={"PJRT_DEVICE": "CPU"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "4 ()"
+
+
+def test_setup_after_runtime_started_elsewhere_reports_what_was_lost():
+    code = ("import torch, torch_xla\n"
+            "x = torch.ones(2, device=torch_xla.device()) + 1\n"
+            "import tpukit\n"
+            "rt = tpukit.setup(device='cpu', cpu_devices=4, spmd=True)\n"
+            "print(rt.trace_file)\n"
+            "print('\\n'.join(rt.problems))\n")
+    out = run_python(code, env={"PJRT_DEVICE": "CPU"})
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "Compile causes are unavailable" in text
+    assert "spmd=True could not be applied" in text
+    assert "cpu_devices=4 was requested" in text
+
+
+def test_version_mismatch_is_caught_before_import(monkeypatch):
+    # Simulated: the installed pair matches, so the version lookup is patched.
+    monkeypatch.setattr(environment, "versions",
+                        lambda: {"python": "3.11", "torch": "2.9.0+cu128", "torch_xla": "2.8.1", "libtpu": None})
+    with pytest.raises(tpukit.VersionMismatchError) as err:
+        runtime.check_installation()
+    msg = str(err.value)
+    assert "torch 2.9.0+cu128" in msg and "torch_xla 2.8.1" in msg
+    assert "pip install torch==2.8.1 torch_xla==2.8.1" in msg
+
+
+def test_missing_torch_xla_gives_install_command(monkeypatch):
+    # Simulated: torch_xla is installed here, so the version lookup is patched.
+    monkeypatch.setattr(environment, "versions",
+                        lambda: {"python": "3.11", "torch": "2.9.0", "torch_xla": None, "libtpu": None})
+    monkeypatch.setattr(runtime, "_STATE", None)
+    with pytest.raises(tpukit.TorchXlaMissingError) as err:
+        tpukit.setup()
+    assert "pip install torch==2.9.0 'torch_xla==2.9.0'" in str(err.value)
+
+
+def test_tpu_requested_without_tpu(monkeypatch):
+    monkeypatch.setattr(runtime, "_STATE", None)
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    with pytest.raises(tpukit.DeviceNotFoundError) as err:
+        tpukit.setup(device="tpu")
+    assert "no TPU is attached" in str(err.value) and "device='cpu'" in str(err.value)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="not one of"):
+        tpukit.setup(device="gpu")
+    with pytest.raises(ValueError, match="positive int"):
+        tpukit.setup(cpu_devices=0)
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({"COLAB_RELEASE_TAG": "release-colab_20261101"}, "colab"),   # Colab's variables, simulated
+    ({"KAGGLE_KERNEL_RUN_TYPE": "Interactive"}, "kaggle"),         # Kaggle's variables, simulated
+    ({"TPU_ACCELERATOR_TYPE": "v5litepod-8"}, "tpu-vm"),           # a TPU VM's variables, simulated
+    ({}, "local"),
+])
+def test_platform_detection(env, expected):
+    assert environment.detect_platform(env) == expected
+
+
+def test_tpu_signals_and_install_commands():
+    assert environment.tpu_signals({"TPU_ACCELERATOR_TYPE": "v4-8"})[0] == "TPU_ACCELERATOR_TYPE=v4-8"
+    assert environment.tpu_signals({}) == ()  # this machine has no TPU
+    assert "do not reinstall torch" in environment.install_command("colab", "2.8.0+cu126")
+    assert environment.install_command("tpu-vm") == "pip install torch==2.9.0 'torch_xla[tpu]==2.9.0'"
+
+
+def test_doctor_text_and_json():
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    text = subprocess.run([sys.executable, "-m", "tpukit", "doctor"], capture_output=True, text=True, env=env)
+    assert text.returncode == 0, text.stderr
+    assert "tpukit runtime" in text.stdout and "torch_xla" in text.stdout
+    js = subprocess.run([sys.executable, "-m", "tpukit", "doctor", "--json"], capture_output=True, text=True, env=env)
+    assert js.returncode == 0, js.stderr
+    data = json.loads(js.stdout)
+    assert data["ok"] is True and data["device_type"] == "CPU" and data["device_count"] >= 1
+
+
+def test_doctor_exits_nonzero_on_blocking_problem():
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    js = subprocess.run([sys.executable, "-m", "tpukit", "doctor", "--json", "--device", "tpu"],
+                        capture_output=True, text=True, env=env)
+    assert js.returncode == 1
+    data = json.loads(js.stdout)
+    assert data["ok"] is False and data["error_type"] == "DeviceNotFoundError"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_make_lab_starts_jupyterlab():
+    port = _free_port()
+    proc = subprocess.Popen(["make", "-s", "lab", f"PORT={port}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        status = None
+        while time.time() < deadline and status is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api", timeout=2) as r:
+                    status = r.status
+                    body = json.loads(r.read())
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(1)
+        assert status == 200 and "version" in body
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+    out = proc.stdout.read()
+    assert f"http://127.0.0.1:{port}/lab" in out
