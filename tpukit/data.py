@@ -1,0 +1,145 @@
+"""Shape-stable batching: padding and length buckets.
+
+XLA compiles one graph per distinct input shape. Padding every batch to the
+longest sequence *in that batch* (the usual dynamic padding) gives a new shape,
+hence a new compilation, for almost every batch. Padding to a few fixed bucket
+lengths bounds the number of graphs by the number of buckets while wasting far
+less than padding everything to the maximum length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import torch
+
+
+def bucket_lengths(max_length: int, num_buckets: int = 4, min_length: int = 8, multiple: int = 8) -> list[int]:
+    """Evenly spaced bucket lengths up to ``max_length``, each a multiple of ``multiple``.
+
+    ``bucket_lengths(128, 4)`` gives ``[32, 64, 96, 128]``.
+    """
+    if max_length < 1 or num_buckets < 1 or multiple < 1:
+        raise ValueError("bucket_lengths needs max_length, num_buckets and multiple >= 1.")
+    out = set()
+    for i in range(1, num_buckets + 1):
+        n = math.ceil(max_length * i / num_buckets / multiple) * multiple
+        out.add(max(min(n, max_length), min(min_length, max_length)))
+    return sorted(out)
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket length that holds ``length`` (sequences longer than the last are truncated)."""
+    if not buckets:
+        raise ValueError("bucket_for needs at least one bucket length.")
+    for b in sorted(buckets):
+        if length <= b:
+            return b
+    return max(buckets)
+
+
+def pad_to(sequences: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pad/truncate token-id lists to ``length``; returns ``(ids, attention_mask)`` of shape (n, length)."""
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        seq = list(seq)[:length]
+        if seq:
+            ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+            mask[i, : len(seq)] = 1
+    return ids, mask
+
+
+@dataclass(frozen=True)
+class PaddingStats:
+    """How much of what was fed to the device was padding."""
+
+    batches: int
+    shapes: int  # distinct (batch, length) shapes = graphs compiled for the step
+    tokens: int
+    pad_tokens: int
+
+    @property
+    def waste(self) -> float:
+        """Fraction of token slots that were padding."""
+        return self.pad_tokens / self.tokens if self.tokens else 0.0
+
+
+def padding_stats(batches: Iterable[dict]) -> PaddingStats:
+    """Count batches, distinct shapes and padding of batches with an ``attention_mask``."""
+    n = tokens = pads = 0
+    shapes = set()
+    for b in batches:
+        mask = b["attention_mask"]
+        n += 1
+        shapes.add(tuple(mask.shape))
+        tokens += mask.numel()
+        pads += int(mask.numel() - mask.sum())
+    return PaddingStats(n, len(shapes), tokens, pads)
+
+
+class BucketBatcher:
+    """Batches of token-id sequences padded to a few fixed lengths (one graph per bucket).
+
+    Examples are grouped by bucket, so every batch has the same ``batch_size`` and
+    one of ``len(buckets)`` lengths. With ``drop_last=True`` (the default) partial
+    batches are dropped so the batch dimension never changes either; the dropped
+    examples are counted in ``dropped``. Iterating yields dicts with ``input_ids``,
+    ``attention_mask`` and, when labels were given, ``labels``.
+    """
+
+    def __init__(self, sequences: Sequence[Sequence[int]], labels: Sequence[int] | None = None, *,
+                 batch_size: int, buckets: Sequence[int], pad_id: int = 0, shuffle: bool = False,
+                 seed: int = 0, drop_last: bool = True):
+        if batch_size < 1:
+            raise ValueError("batch_size must be >= 1.")
+        if labels is not None and len(labels) != len(sequences):
+            raise ValueError(f"got {len(sequences)} sequences but {len(labels)} labels; they must pair up.")
+        self.sequences = sequences
+        self.labels = labels
+        self.batch_size = batch_size
+        self.buckets = sorted(set(int(b) for b in buckets))
+        self.pad_id = pad_id
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self._plan = self._make_plan()
+
+    def _make_plan(self) -> list[tuple[int, list[int]]]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(len(self.sequences), generator=g).tolist() if self.shuffle else range(len(self.sequences))
+        groups: dict[int, list[int]] = {b: [] for b in self.buckets}
+        for i in order:
+            groups[bucket_for(len(self.sequences[i]), self.buckets)].append(i)
+        plan = []
+        self.dropped = 0
+        for b, idx in groups.items():
+            for s in range(0, len(idx), self.batch_size):
+                chunk = idx[s: s + self.batch_size]
+                if len(chunk) < self.batch_size and self.drop_last:
+                    self.dropped += len(chunk)
+                    continue
+                plan.append((b, chunk))
+        if self.shuffle:
+            perm = torch.randperm(len(plan), generator=g).tolist()
+            plan = [plan[i] for i in perm]
+        return plan
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for another epoch (when ``shuffle=True``)."""
+        self.epoch = epoch
+        self._plan = self._make_plan()
+
+    def __len__(self) -> int:
+        return len(self._plan)
+
+    def __iter__(self):
+        for length, idx in self._plan:
+            ids, mask = pad_to([self.sequences[i] for i in idx], length, self.pad_id)
+            batch: dict[str, Any] = {"input_ids": ids, "attention_mask": mask}
+            if self.labels is not None:
+                batch["labels"] = torch.as_tensor([self.labels[i] for i in idx], dtype=torch.long)
+            yield batch
