@@ -11,6 +11,7 @@ execution to the step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -142,7 +143,7 @@ class _Clock:
 
 _STATE_LOCK = threading.RLock()
 _PENDING: list[tuple[str, Any]] = []  # (name, tensor-or-float) logged since the last sync
-_READY: dict[str, float] = {}  # values read at the last sync, not yet taken by a step
+_SYNCED: list[tuple[str, Any]] = []  # logged at or before the last sync: device data, not read yet
 _CALLBACKS: list[tuple[Callable, int]] = []
 _HOOK_ARMED = False
 _ACTIVE_TRACKERS: list["Tracker"] = []
@@ -173,7 +174,8 @@ def _on_sync() -> None:
         pending = list(_PENDING)
         _PENDING.clear()
     if pending:
-        _READY.update(_read_values(pending))
+        with _STATE_LOCK:
+            _SYNCED.extend(pending)
     if not _ACTIVE_TRACKERS and (_CALLBACKS or any(hasattr(l, "on_step") for l in listeners())):
         # A sync outside track(): one record per sync.
         if _FREE_CLOCK is None:
@@ -192,12 +194,17 @@ def _read_values(pending: list[tuple[str, Any]]) -> dict[str, float]:
     return out
 
 
-def take_scalars() -> dict[str, float]:
-    """Values logged and read since the last step record (and forget them)."""
+def take_synced() -> list[tuple[str, Any]]:
+    """The logged values whose step has been synced, not yet read (and forget them)."""
     with _STATE_LOCK:
-        out = dict(_READY)
-        _READY.clear()
+        out = list(_SYNCED)
+        _SYNCED.clear()
     return out
+
+
+def take_scalars() -> dict[str, float]:
+    """Read the logged values of the synced step now (waits for its execution)."""
+    return _read_values(take_synced())
 
 
 def _emit(rec: StepRecord) -> None:
@@ -329,6 +336,10 @@ class Tracker:
         publish("on_track_start", self)
         completed = False
         try:
+            # A step's record is completed and published after the *next* step
+            # was launched, so reading its logged values never stalls the host
+            # while the device still executes (and its execute time is known).
+            held: tuple[StepRecord, list] | None = None
             batch = next(source, _END)
             while batch is not _END:
                 if not self_syncing:
@@ -338,7 +349,12 @@ class Tracker:
                 if not self_syncing:
                     _xla.sync()
                 batch = next(source, _END)  # torch_xla's device loader syncs the step here
-                self._record(clock.tick(take_scalars(), n), bar)
+                rec, values = clock.tick({}, n), take_synced()
+                if held is not None:
+                    self._record(*held, bar)
+                held = (rec, values)
+            if held is not None:
+                self._record(*held, bar)
             completed = True
         finally:
             with _STATE_LOCK:
@@ -351,7 +367,9 @@ class Tracker:
             if completed and self.dashboard is not None:
                 self.dashboard.report()
 
-    def _record(self, rec: StepRecord, bar: Any) -> None:
+    def _record(self, rec: StepRecord, values: list, bar: Any) -> None:
+        if values:
+            rec = dataclasses.replace(rec, scalars=_read_values(values))
         self.history.append(rec)
         _emit(rec)
         if bar is not None:
