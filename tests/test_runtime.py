@@ -186,3 +186,19 @@ def test_make_lab_starts_jupyterlab():
         proc.wait(timeout=30)
     out = proc.stdout.read()
     assert f"http://127.0.0.1:{port}/lab" in out
+
+
+def test_badges_are_rewritten_from_the_one_repository_url(tmp_path):
+    from tpukit.__main__ import badges, repository_url
+
+    nb = {"cells": [{"cell_type": "markdown", "metadata": {}, "source": [
+        "# Demo\n", "[![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+        "(https://colab.research.google.com/github/old/place/blob/main/notebooks/demo.ipynb)\n"]}],
+        "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    path = tmp_path / "demo.ipynb"
+    path.write_text(json.dumps(nb))
+    assert badges(tmp_path, "https://github.com/someone/tpukit") == [path]
+    text = path.read_text()
+    assert "https://colab.research.google.com/github/someone/tpukit/blob/main/notebooks/demo.ipynb" in text
+    assert badges(tmp_path, "https://github.com/someone/tpukit") == []  # idempotent
+    assert repository_url().startswith("https://github.com/")
