@@ -1,6 +1,6 @@
 """tpukit: a notebook kit for PyTorch on XLA devices (Cloud TPUs through torch_xla).
 
-``import tpukit`` is cheap: it imports neither torch_xla nor any UI library.
+``import tpukit`` imports neither torch_xla nor any UI library: it does not start the runtime.
 """
 
 __version__ = "0.1.0"
@@ -11,13 +11,17 @@ from .errors import (
     LaunchError,
     RecompilationError,
     RuntimeStateError,
+    ShardingError,
     TorchXlaMissingError,
     TpukitError,
     TpukitWarning,
     VersionMismatchError,
 )
+from .checkpoint import CheckpointManager, Manifest, export_pretrained, load, save, verify
 from .compiles import CompileEvent, compiling_now
+from .magics import load_ipython_extension, unload_ipython_extension
 from .metrics import Delta, Snapshot, snapshot
+from .parallel import device_loader, fsdp, launch, mesh, rank, shard_batch, sharding_spec
 from .runtime import Runtime, setup
 from .steps import (
     StepRecord,
@@ -51,6 +55,22 @@ __all__ = [
     "expect_compiles",
     "no_recompile_after",
     "dashboard",
+    "save",
+    "load",
+    "verify",
+    "Manifest",
+    "CheckpointManager",
+    "export_pretrained",
+    "mesh",
+    "shard_batch",
+    "sharding_spec",
+    "device_loader",
+    "fsdp",
+    "launch",
+    "rank",
+    "ShardingError",
+    "load_ipython_extension",
+    "unload_ipython_extension",
     "TpukitError",
     "TpukitWarning",
     "TorchXlaMissingError",

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from .errors import RuntimeStateError, TorchXlaMissingError, VersionMismatchError
+from .errors import TorchXlaMissingError, VersionMismatchError
 
 _MODULES: dict[str, Any] = {}
 
@@ -242,15 +242,175 @@ def pending_hlo(tensors: Sequence[Any]) -> str:
     return torch_xla()._XLAC._get_xla_tensors_hlo(list(tensors))
 
 
-def is_materialized(t: Any) -> bool:
-    """True when a tensor is backed by device data (no pending computation)."""
-    info = torch_xla()._XLAC._get_xla_tensor_debug_info(t)
-    return "Device Data: " in info and "XLAData: None" not in info or "IR: None" in info
+
+# --------------------------------------------------------------------------- checkpoints
+
+def tensor_id(t: Any) -> int:
+    """torch_xla's id of an XLA tensor; equal ids mean the same data seen through
+    different tensor objects (tied weights, ``state_dict()`` detaches)."""
+    return int(torch_xla()._XLAC._xla_get_tensor_id(getattr(t, "global_tensor", t)))
 
 
-def to_cpu_tensors(tensors: Sequence[Any]) -> list:
-    """Copy device tensors to CPU in one transfer (no graph execution for device data)."""
+def to_cpu(tensors: Sequence[Any]) -> list:
+    """Copy XLA tensors to new CPU tensors in one batch, computing pending values first.
+
+    SPMD-sharded tensors come back whole (gathered from their shards). Like
+    ``xm.save``'s conversion, but it also accepts ``nn.Parameter`` and
+    ``XLAShardedTensor`` (``xm`` only converts exact ``torch.Tensor``).
+    """
+    tensors = [getattr(t, "global_tensor", t) for t in tensors]
+    if not tensors:
+        return []
+    xlac = torch_xla()._XLAC
+    xlac._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=False)
+    return list(xlac._xla_get_cpu_tensors(tensors))
+
+
+# --------------------------------------------------------------------------- SPMD and replicas (tpukit.parallel)
+
+def _xs():
+    return _module("torch_xla.distributed.spmd")
+
+
+def make_mesh(shape: Sequence[int], axis_names: Sequence[str]):
+    """A ``torch_xla.distributed.spmd.Mesh`` over every global device, in device-id order."""
+    import numpy as np
+
+    return _xs().Mesh(np.arange(device_count()), tuple(int(s) for s in shape), tuple(axis_names))
+
+
+def rename_mesh_axes(mesh: Any, axis_names: Sequence[str]):
+    """A mesh with the same devices and shape as ``mesh`` under other axis names."""
+    return _xs().Mesh(mesh.device_ids, tuple(mesh.mesh_shape), tuple(axis_names))
+
+
+def mesh_axes(mesh: Any) -> dict[str, int]:
+    """``{axis name: number of devices}`` of a mesh, in axis order."""
+    return {str(name): int(size) for name, size in mesh.shape().items()}
+
+
+def is_mesh(obj: Any) -> bool:
+    """True for a ``torch_xla.distributed.spmd.Mesh`` (never imports torch_xla)."""
+    return is_imported() and isinstance(obj, _xs().Mesh)
+
+
+def mark_sharding(t: Any, mesh: Any, partition_spec: Sequence[Any]) -> None:
+    """Annotate an XLA tensor's sharding in place; ``t`` stays a plain ``torch.Tensor``."""
+    _xs().mark_sharding(t, mesh, tuple(partition_spec))
+
+
+def to_device_sharded(t: Any, mesh: Any, partition_spec: Sequence[Any]):
+    """Copy a CPU tensor to the SPMD device, each shard straight to its own device."""
+    spec = _xs().ShardingSpec(mesh, tuple(partition_spec))
+    return _xm().send_cpu_data_to_device(t, device(), spec)[0]
+
+
+def sharding_spec(t: Any) -> str:
+    """The XLA sharding of a device tensor as text (e.g. '{devices=[4,1]0,1,2,3}'); '' if none."""
+    return str(torch_xla()._XLAC._get_xla_sharding_spec(t))
+
+
+class _FirstDimSharding:
+    """``input_sharding`` for torch_xla's loaders: split dim 0 of every tensor over one mesh axis.
+
+    torch_xla's ``ShardingSpec`` only applies to tensors of one rank; a batch mixes
+    ranks (inputs, labels), so this keeps one spec per rank. Scalars stay replicated.
+    ``check(t)`` runs first and may raise (e.g. an indivisible batch).
+    """
+
+    minibatch = False
+
+    def __init__(self, mesh: Any, axis: str, check: Callable[[Any], None] | None = None):
+        self._mesh, self._axis, self._check = mesh, axis, check
+        self._specs: dict[int, Any] = {}
+
+    def can_apply(self, t: Any) -> bool:
+        return t.dim() >= 1
+
+    def xla_spec(self, t: Any):
+        if t.dim() == 0:
+            return None
+        if self._check is not None:
+            self._check(t)
+        spec = self._specs.get(t.dim())
+        if spec is None:
+            spec = self._specs[t.dim()] = _xs().ShardingSpec(self._mesh, (self._axis,) + (None,) * (t.dim() - 1))
+        return spec.xla_spec(t)
+
+
+def first_dim_sharding(mesh: Any, axis: str, check: Callable[[Any], None] | None = None) -> _FirstDimSharding:
+    """An ``input_sharding`` for ``MpDeviceLoader`` that splits every batch tensor's dim 0 over ``axis``."""
+    return _FirstDimSharding(mesh, axis, check)
+
+
+def mp_device_loader(loader: Any, dev: Any, input_sharding: Any = None):
+    """``MpDeviceLoader``: background host-to-device copies; syncs before yielding each batch."""
+    pl = _module("torch_xla.distributed.parallel_loader")
+    kwargs = {} if input_sharding is None else {"input_sharding": input_sharding}
+    return pl.MpDeviceLoader(loader, dev, **kwargs)
+
+
+def spmd_fsdp(module: Any, mesh: Any, shard_output: Callable[[Any, Any], None]):
+    """Wrap ``module`` in torch_xla's ``SpmdFullyShardedDataParallel`` (mesh needs an 'fsdp' axis)."""
+    mod = _module("torch_xla.experimental.spmd_fully_sharded_data_parallel")
+    return mod.SpmdFullyShardedDataParallel(module, mesh=mesh, shard_output=shard_output)
+
+
+def local_process_count() -> int:
+    """Processes torch_xla's launcher starts on this host: one per chip on TPU, 1 on CPU/GPU.
+
+    Mirrors ``torch_xla._internal.pjrt.run_multiprocess``; does not start the runtime.
+    """
+    plugins = _module("torch_xla.experimental.plugins")
+    if plugins.using_dynamic_plugins():
+        return int(plugins.default().physical_chip_count())
+    kind = device_type()
+    if kind == "TPU":
+        return int(_module("torch_xla._internal.tpu").num_local_processes())
+    if kind == "NEURON":
+        return int(_module("torch_xla._internal.neuron").num_local_processes())
+    return 1
+
+
+class _IndexedCall:
+    """``fn(global ordinal, *args)`` returning its value (torch_xla's ``_SpawnFn`` drops it)."""
+
+    def __init__(self, fn: Callable[..., Any], args: Sequence[Any]):
+        self.fn, self.args = fn, tuple(args)
+
+    def __call__(self):
+        return self.fn(global_ordinal(), *self.args)
+
+
+def run_replica_process(local_rank: int, local_world_size: int, fn: Callable[..., Any],
+                        args: Sequence[Any]) -> dict[int, Any]:
+    """Body of one ``xmp.spawn`` process: set up this process's chips, then run ``fn``
+    in one thread per addressable device. Returns ``{global ordinal: fn's value}``.
+
+    Uses torch_xla 2.9's private ``pjrt`` helpers so the topology set-up is exactly
+    the one ``torch_xla.launch`` does; call it in a fresh process only.
+    """
+    pjrt = _module("torch_xla._internal.pjrt")
+    return dict(pjrt._run_thread_per_device(local_rank, local_world_size, fn=_IndexedCall(fn, args),
+                                            initializer_fn=pjrt.initialize_multiprocess))
+
+
+def run_single_process(fn: Callable[..., Any], args: Sequence[Any]) -> Any:
+    """``xmp.spawn(nprocs=1)``: one replica on one chip in this process; returns ``fn(0, *args)``."""
+    pjrt = _module("torch_xla._internal.pjrt")
+    return pjrt._run_singleprocess(_IndexedCall(fn, args))
+
+
+# --------------------------------------------------------------------------- lazy state (tpukit.magics)
+
+def has_pending(tensors: Sequence[Any]) -> list[bool]:
+    """For each XLA tensor, True when it holds a computation not yet run (lazy IR).
+
+    Asks torch_xla directly: a synced tensor and a freshly transferred one
+    (``t.to(device)``, data only) are False; a result of ops, or a view of
+    device data, is True until the next sync.
+    """
     tensors = list(tensors)
     if not tensors:
         return []
-    return list(torch_xla()._XLAC._xla_get_cpu_tensors(tensors))
+    return [bool(x) for x in torch_xla()._XLAC._check_tensor_need_materialization(tensors)]

@@ -38,5 +38,9 @@ class LaunchError(TpukitError):
     """A multi-process launch could not start or a replica failed."""
 
 
+class ShardingError(TpukitError, ValueError):
+    """A tensor cannot be split the way it was asked to (e.g. an indivisible batch)."""
+
+
 class TpukitWarning(UserWarning):
     """Category of every warning tpukit emits, so it can be filtered."""

@@ -15,7 +15,7 @@ import html
 import os
 import tempfile
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import _xla, environment
 from .errors import DeviceNotFoundError, TorchXlaMissingError, VersionMismatchError

@@ -1,0 +1,655 @@
+"""Multi-core training from a notebook: SPMD helpers and a notebook-safe launcher.
+
+Two ways to use several cores:
+
+* **SPMD (recommended).** One process drives every device; you write a
+  single-device training loop and say how tensors are split. Works in any
+  notebook. ``tpukit.setup(spmd=True)`` first, then ``mesh()``, ``shard_batch()``
+  (or ``device_loader(loader, mesh)``) and optionally ``fsdp()``::
+
+      tpukit.setup(spmd=True)            # cpu_devices=4 to try it on a laptop
+      m = tpukit.mesh()                  # all devices on the 'data' axis
+      for batch in tpukit.device_loader(loader, m):   # batches arrive sharded
+          loss = model(batch["x"]).loss ...
+
+* **``launch()``** for existing multi-process (``xmp.spawn`` / ``torch_xla.launch``
+  style) code: ``fn(index, *args)`` runs once per replica in child processes,
+  their output is streamed to the cell with a ``[rank N]`` prefix, a replica's
+  exception is re-raised here with its traceback, and rank 0's return value is
+  returned. No child outlives the call.
+
+Checkpoints: sharded tensors stay ordinary ``torch.Tensor`` objects (nothing
+here wraps them), so ``tensor.cpu()`` and ``tpukit.checkpoint.save`` gather the
+full values from the shards; in SPMD the one process writes. Under ``launch()``
+only rank 0 writes files: ``tpukit.checkpoint.save`` writes on the master
+replica only, and your own writes should be guarded with
+``if tpukit.parallel.rank() == 0`` (independent XLA:CPU replicas each have a
+world of one, so ``rank()`` is what tells them apart).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import re
+import signal
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from . import _xla, environment, runtime
+from .errors import LaunchError, RuntimeStateError, ShardingError, TpukitWarning
+
+log = logging.getLogger("tpukit")
+
+RANK_ENV = "TPUKIT_REPLICA_RANK"
+_TERMINATE_GRACE = 5.0  # seconds a replica gets to exit after SIGTERM before SIGKILL
+_EXIT_GRACE = 10.0  # seconds a replica that already returned gets to exit on its own
+_DRAIN_GRACE = 2.0  # seconds to collect output after the last replica exited
+
+
+# --------------------------------------------------------------------------- SPMD
+
+def _require_spmd(what: str) -> None:
+    if _xla.is_spmd():
+        return
+    if _xla.runtime_initialized() or runtime.current() is not None:
+        raise RuntimeStateError(
+            f"{what} needs SPMD, but the XLA runtime in this process already started without it and SPMD "
+            "cannot be switched on once the device is in use. Restart the kernel and call "
+            "tpukit.setup(spmd=True) before anything touches the device.")
+    raise RuntimeStateError(
+        f"{what} needs SPMD mode, which is off. Call tpukit.setup(spmd=True) before using the device "
+        "(add cpu_devices=N on a machine without TPU to get N virtual devices).")
+
+
+def mesh(axes: Sequence[str] = ("data",), shape: Sequence[int] | None = None):
+    """A device mesh over all devices of the SPMD runtime, for ``shard_batch``/``fsdp``.
+
+    axes: names of the mesh axes; the first is the data axis by convention.
+    shape: devices per axis (one entry may be -1: inferred); default puts every
+    device on the first axis. Returns a ``torch_xla.distributed.spmd.Mesh``, so it
+    also works with torch_xla's own sharding API.
+    """
+    _require_spmd("tpukit.mesh()")
+    if isinstance(axes, str):
+        axes = (axes,)
+    axes = tuple(axes)
+    if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"axes={axes!r} must be one or more distinct, non-empty names, "
+                         "e.g. ('data',) or ('data', 'model').")
+    n = _xla.device_count()
+    if shape is None:
+        dims = (n,) + (1,) * (len(axes) - 1)
+    else:
+        dims = tuple(int(s) for s in shape)
+        example = (n,) + (1,) * (len(axes) - 1)
+        hint = f"their product must be {n}, the number of devices (e.g. {example}, or -1 for one axis)"
+        if len(dims) != len(axes):
+            raise ValueError(f"shape={dims} has {len(dims)} entries but axes={axes} has {len(axes)}; "
+                             "give one size per axis.")
+        if dims.count(-1) > 1 or any(d == 0 or d < -1 for d in dims):
+            raise ValueError(f"shape={dims} is not valid: sizes must be positive (at most one -1); {hint}.")
+        known = 1
+        for d in dims:
+            known *= d if d != -1 else 1
+        if -1 in dims:
+            if n % known:
+                raise ValueError(f"shape={dims} cannot be completed: {n} devices are not divisible by {known}; {hint}.")
+            dims = tuple(n // known if d == -1 else d for d in dims)
+        elif known != n:
+            raise ValueError(f"shape={dims} covers {known} devices but the runtime has {n}; {hint}.")
+    return _xla.make_mesh(dims, axes)
+
+
+def _axis_size(m: Any, axis: str) -> int:
+    if not _xla.is_mesh(m):
+        raise TypeError(f"expected a mesh from tpukit.mesh(), got {type(m).__name__}.")
+    sizes = _xla.mesh_axes(m)
+    if axis not in sizes:
+        raise ValueError(f"the mesh has no axis {axis!r} (its axes are {tuple(sizes)}); pass axis= one of them.")
+    return sizes[axis]
+
+
+def _check_rows(t: Any, size: int, axis: str, where: str) -> None:
+    rows = int(t.shape[0])
+    if rows % size:
+        lower, upper = rows // size * size, (rows // size + 1) * size
+        example = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ShardingError(
+            f"batch of {rows} ({where}) cannot be split over {size} devices on axis {axis!r}; use a batch size that "
+            f"is a multiple of {size}, e.g. {example}, or drop_last=True in the DataLoader.")
+
+
+def _map_tensors(obj: Any, fn: Callable[[Any, str], Any], path: str) -> Any:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return fn(obj, path)
+    if isinstance(obj, Mapping):
+        items = {k: _map_tensors(v, fn, f"{path}[{k!r}]") for k, v in obj.items()}
+        try:
+            return type(obj)(items)
+        except Exception:
+            return items
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_map_tensors(v, fn, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn, f"{path}[{i}]") for i, v in enumerate(obj))
+    return obj
+
+
+def shard_batch(batch: Any, mesh: Any, axis: str = "data") -> Any:
+    """Put a batch on the device, every tensor split along its first dimension over ``axis``.
+
+    batch: a tensor or a nested dict/list/tuple of them (other leaves pass through);
+    CPU tensors are copied shard by shard, XLA tensors are annotated in place.
+    Scalars are replicated. Returns the same structure with plain XLA tensors;
+    raises ``ShardingError`` when a first dimension is not a multiple of the
+    axis size (every device must get the same number of rows).
+    """
+    size = _axis_size(mesh, axis)
+
+    def one(t: Any, path: str) -> Any:
+        if t.dim() == 0:
+            return t if _xla.is_xla_tensor(t) else t.to(_xla.device())
+        _check_rows(t, size, axis, path)
+        spec = (axis,) + (None,) * (t.dim() - 1)
+        if _xla.is_xla_tensor(t):
+            _xla.mark_sharding(t, mesh, spec)
+            return t
+        return _xla.to_device_sharded(t.detach().cpu() if t.device.type != "cpu" else t, mesh, spec)
+
+    return _map_tensors(batch, one, "batch")
+
+
+def sharding_spec(tensor: Any) -> str:
+    """The XLA sharding of a device tensor, e.g. ``'{devices=[4,1]0,1,2,3}'``.
+
+    ``''`` means no sharding annotation (replicated, or not yet propagated by a
+    compile). Check it in notebooks and tests rather than assuming a layout.
+    """
+    if not _xla.is_xla_tensor(tensor):
+        where = getattr(getattr(tensor, "device", None), "type", type(tensor).__name__)
+        raise ShardingError(f"sharding_spec() needs a tensor on the XLA device, got a {where} tensor; "
+                            "move it with tpukit.shard_batch(...) or .to(device) first.")
+    return _xla.sharding_spec(tensor)
+
+
+def device_loader(loader: Any, mesh: Any = None, device: Any = None, axis: str = "data") -> Any:
+    """Wrap a DataLoader (or any iterable of batches) so batches arrive on the device.
+
+    Uses torch_xla's ``MpDeviceLoader``: a background thread copies the next
+    batches while the device computes, and it syncs (``torch_xla.sync()``) before
+    yielding each batch, so a loop over it needs no explicit sync. With a mesh,
+    every tensor is split along dim 0 over ``axis`` as it is copied (use
+    ``drop_last=True`` so every batch divides evenly; an indivisible batch raises
+    ``ShardingError`` when the loader reaches it).
+    """
+    dev = device if device is not None else _xla.device()
+    if mesh is None:
+        return _xla.mp_device_loader(loader, dev)
+    size = _axis_size(mesh, axis)
+    sharding = _xla.first_dim_sharding(
+        mesh, axis, check=lambda t: _check_rows(t, size, axis, f"a batch tensor of shape {tuple(t.shape)}"))
+    return _xla.mp_device_loader(loader, dev, sharding)
+
+
+def fsdp(model: Any, mesh: Any, axis: str = "data") -> Any:
+    """Shard a model's parameters over a mesh axis (FSDP-style), with SPMD doing the gathers.
+
+    Wraps ``model`` in torch_xla's ``SpmdFullyShardedDataParallel``: each
+    parameter is split along its largest dimension over ``axis`` and the outputs'
+    batch dimension is sharded over the same axis (the wrapper's ``shard_output``).
+    Create the optimizer *after* wrapping. ``model`` is moved to the device in
+    place and keeps its own ``state_dict()`` keys (the wrapper's add a
+    ``_orig_module.`` prefix). Feed it batches from ``shard_batch(..., mesh, axis)``.
+    """
+    _require_spmd("tpukit.fsdp()")
+    size = _axis_size(mesh, axis)
+    sizes = _xla.mesh_axes(mesh)
+    if axis != "fsdp" and "fsdp" in sizes:
+        raise ValueError(f"the mesh already has an axis named 'fsdp' besides {axis!r}; rename it or pass axis='fsdp'.")
+    fmesh = _xla.rename_mesh_axes(mesh, tuple("fsdp" if a == axis else a for a in sizes))
+
+    def shard_output(output: Any, m: Any) -> None:
+        def mark(t: Any, _path: str) -> Any:
+            if _xla.is_xla_tensor(t) and t.dim() >= 1 and t.shape[0] % size == 0:
+                _xla.mark_sharding(t, m, ("fsdp",) + (None,) * (t.dim() - 1))
+            return t
+
+        _map_tensors(output if not hasattr(output, "to_tuple") else output.to_tuple(), mark, "output")
+
+    return _xla.spmd_fsdp(model, fmesh, shard_output)
+
+
+# --------------------------------------------------------------------------- launcher
+
+@dataclass(frozen=True)
+class _Plan:
+    """How ``launch`` starts replicas (decided before anything starts)."""
+
+    mode: str  # "in-process" | "single" | "replicated" | "independent"
+    nprocs: int
+    start_method: str | None
+    device_type: str
+
+
+def _device_kind() -> str:
+    """The PJRT device type the runtime will use ('CPU', 'TPU', ...); never starts it."""
+    return runtime._resolve_device(runtime.Request(), environment.inspect())
+
+
+def _in_ipython_kernel() -> bool:
+    """True inside a Jupyter/Colab/Kaggle kernel; never imports IPython."""
+    if "ipykernel" not in sys.modules:
+        return False
+    getter = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    try:
+        shell = getter() if getter else None
+    except Exception:
+        shell = None
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
+def _default_start_method() -> str:
+    """'fork' in notebooks and interactive sessions (their functions cannot be pickled
+    by reference), 'spawn' in scripts (a clean interpreter per replica)."""
+    main = sys.modules.get("__main__")
+    return "fork" if _in_ipython_kernel() or not getattr(main, "__file__", None) else "spawn"
+
+
+def _plan(nprocs: int | None, debug_single_process: bool, start_method: str | None) -> _Plan:
+    if nprocs is not None and (isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1):
+        raise ValueError(f"nprocs={nprocs!r} must be None (one replica per chip) or a positive int.")
+    if start_method not in (None, "fork", "spawn", "forkserver"):
+        raise ValueError(f"start_method={start_method!r} must be None (automatic), 'fork', 'spawn' or 'forkserver'.")
+    kind = _device_kind()
+    if debug_single_process:
+        return _Plan("in-process", 1, None, kind)
+    method = start_method or _default_start_method()
+    if nprocs == 1 or (kind == "CPU" and nprocs is None):
+        return _Plan("single", 1, method, kind)
+    if kind == "CPU":
+        return _Plan("independent", nprocs, method, kind)
+    if nprocs is None:
+        return _Plan("replicated", _xla.local_process_count(), method, kind)
+    raise ValueError(
+        f"nprocs={nprocs} is not supported on {kind}: torch_xla runs one process per chip (nprocs=None) or a single "
+        f"replica (nprocs=1). To use fewer chips, limit the visible chips in the environment before launching.")
+
+
+def _refuse_if_unsafe(plan: _Plan) -> None:
+    if plan.mode != "in-process" and _xla.runtime_initialized():
+        who = ("tpukit.setup() started it" if runtime.current() is not None
+               else "something already used the device, e.g. torch_xla.device() or .to('xla')")
+        raise LaunchError(
+            f"tpukit.launch() cannot start replicas: the XLA runtime is already running in this kernel ({who}), "
+            "and child processes cannot use a device their parent holds. Restart the kernel and call "
+            "tpukit.launch(...) before anything touches the device (or pass debug_single_process=True).")
+    if _xla.is_spmd():
+        raise LaunchError(
+            "tpukit.launch() runs multi-process (xmp.spawn-style) code, but SPMD mode is on in this process "
+            "(tpukit.setup(spmd=True) or XLA_USE_SPMD=1) and the two cannot be combined. Use tpukit.mesh() and "
+            "shard_batch() to train on all cores with SPMD, or restart the kernel without spmd=True to use launch().")
+
+
+def rank() -> int:
+    """This replica's rank under ``launch()``: the index passed to ``fn`` (torch_xla's global
+    ordinal on TPU). 0 outside ``launch()`` and in SPMD, where one process drives all devices."""
+    env = os.environ.get(RANK_ENV)
+    if env:
+        return int(env)
+    return _xla.global_ordinal() if _xla.runtime_initialized() else 0
+
+
+def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, debug_single_process: bool = False,
+           start_method: str | None = None) -> Any:
+    """Run ``fn(index, *args)`` once per replica, like ``torch_xla.launch``; return rank 0's value.
+
+    Call it before anything in the kernel touches the device: the parent never
+    starts the XLA runtime (each replica starts its own), and ``launch`` refuses,
+    starting nothing, when the runtime is already running here.
+
+    * Children are forked in notebooks and interactive sessions (``fn`` may be
+      defined in a cell) and spawned in scripts (``fn`` must be importable; guard
+      the script with ``if __name__ == "__main__":``); ``start_method`` overrides.
+    * Each replica's stdout/stderr (including C-level output) is streamed to the
+      cell, prefixed ``[rank N]`` (N = process index on this host; threads of one
+      process share it). A replica's exception is re-raised here as
+      ``LaunchError`` carrying its traceback; the other replicas are stopped.
+      On error or KeyboardInterrupt every child is terminated, killed if needed,
+      and reaped; children also die if this process dies.
+    * On TPU, ``nprocs=None`` starts one process per chip with torch_xla's own
+      topology set-up and one thread per device (``xmp.spawn`` semantics:
+      ``fn(global_ordinal, *args)``); ``nprocs=1`` runs one replica on one chip.
+    * XLA:CPU limitation: collectives across replicas are not supported on CPU
+      (they hang, then abort). ``nprocs=None``/``1`` runs one real replica in a
+      child; ``nprocs=N>1`` starts N *independent* single-device processes
+      (``fn(i, *args)``, ``rank()`` = i) with no collectives between them, to
+      exercise the plumbing; it warns. Use SPMD (``tpukit.mesh``) for multi-core
+      training on CPU.
+    * ``debug_single_process=True`` runs one replica (index 0) in this process,
+      without prefixes or wrapping, so debuggers and ``%debug`` work; it starts
+      the runtime here, so later launches in this kernel are refused.
+
+    Only rank 0 should write files (``tpukit.checkpoint.save`` does so); guard
+    your own writes with ``if tpukit.parallel.rank() == 0``. The return value
+    must be picklable (return CPU data, e.g. ``t.cpu()``). On a multi-host pod,
+    each host's call returns its lowest local rank's value (rank 0's on host 0).
+    """
+    plan = _plan(nprocs, debug_single_process, start_method)
+    _refuse_if_unsafe(plan)
+    if plan.mode == "in-process":
+        return _xla.run_single_process(fn, args)
+    if plan.mode == "independent":
+        warnings.warn(
+            f"launch(nprocs={plan.nprocs}) on XLA:CPU starts {plan.nprocs} independent single-device processes: "
+            "collectives between replicas do not work on CPU, so they do not train together. Use tpukit.mesh() "
+            "(SPMD) for multi-core training on CPU.", TpukitWarning, stacklevel=2)
+    return _Launcher(plan, fn, args).run()
+
+
+# --------------------------------------------------------------------------- launcher: child side
+
+_INHERITED_STREAMS: list = []
+_OWN_FILES = {os.path.abspath(__file__).rstrip("c"), os.path.abspath(_xla.__file__).rstrip("c")}
+
+
+def _redirect_output(out_w: Any, err_w: Any) -> None:
+    """Point fds 1/2 and sys.stdout/sys.stderr of this child at the parent's pipes."""
+    # Keep the inherited stream objects alive: collecting them could flush the
+    # parent's buffered output (or a notebook's zmq stream) into our pipes.
+    _INHERITED_STREAMS.append((sys.stdout, sys.stderr))
+    os.dup2(out_w.fileno(), 1)
+    os.dup2(err_w.fileno(), 2)
+    out_w.close()
+    err_w.close()
+
+    def stream(fd: int):
+        return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
+                                line_buffering=True, write_through=True)
+
+    old_out, old_err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = stream(1), stream(2)
+    # Logging handlers created in the parent (e.g. a notebook's logging.basicConfig())
+    # hold the parent's stream objects: point them at ours so their lines get the prefix.
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    for handler in {h for lg in loggers for h in lg.handlers}:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            if handler.stream is old_err:
+                handler.setStream(sys.stderr)
+            elif handler.stream is old_out:
+                handler.setStream(sys.stdout)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this child when the launching process dies (best effort)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+_PLUMBING = (os.sep + os.path.join("torch_xla", "_internal") + os.sep,
+             os.sep + os.path.join("concurrent", "futures") + os.sep,
+             os.sep + "threading.py")
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The exception's traceback without the launcher's own leading frames (tpukit, torch_xla's
+    replica set-up, thread pools), so it starts where the user's function does."""
+    tb = exc.__traceback__
+    while tb is not None:
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if path not in _OWN_FILES and not any(p in path for p in _PLUMBING):
+            break
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+
+
+def _replica_main(rank_: int, plan: _Plan, fn: Callable[..., Any], args: tuple, out_w: Any, err_w: Any,
+                  res_w: Any, parent_pid: int) -> None:
+    """Entry point of one replica process; sends ('ok', has_rank0, value) or ('error', ...) back."""
+    _redirect_output(out_w, err_w)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops us
+    _die_with_parent()
+    if plan.start_method != "forkserver" and os.getppid() != parent_pid:  # parent died before prctl
+        os._exit(1)
+    try:
+        if plan.mode == "independent":
+            os.environ[RANK_ENV] = str(rank_)
+            values = {rank_: fn(rank_, *args)}
+        elif plan.mode == "single":
+            values = {0: _xla.run_single_process(fn, args)}
+        else:
+            values = _xla.run_replica_process(rank_, plan.nprocs, fn, args)
+        low = min(values) if values else None
+        msg: tuple = ("ok", low == 0, values.get(0)) if low == 0 else ("ok", False, None)
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            msg = ("ok", rank_ == 0, None)
+        else:
+            msg = ("error", f"SystemExit({exc.code!r})", _user_traceback(exc))
+    except BaseException as exc:  # report everything, including KeyboardInterrupt in the child
+        msg = ("error", f"{type(exc).__name__}: {exc}", _user_traceback(exc))
+    try:
+        res_w.send(msg)
+    except Exception as exc:  # an unpicklable return value
+        res_w.send(("error", None,
+                    f"it returned a {type(msg[2]).__name__} that cannot be sent back to the launching process "
+                    f"({type(exc).__name__}: {exc}); return plain Python data or CPU tensors (t.cpu())."))
+    finally:
+        res_w.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------- launcher: parent side
+
+_LINE = re.compile(r"(\r\n|\n|\r)")
+
+
+class _Launcher:
+    """Starts the replicas, forwards their output, collects results, cleans up."""
+
+    def __init__(self, plan: _Plan, fn: Callable[..., Any], args: tuple):
+        self.plan, self.fn, self.args = plan, fn, args
+        self.procs: list = []
+        self.streams: dict[int, tuple[int, Any]] = {}  # fd -> (rank, target stream name)
+        self.partial: dict[int, str] = {}
+        self.results: dict[int, Any] = {}  # rank -> result connection (until it answers)
+
+    # output forwarding ---------------------------------------------------
+    def _emit(self, fd: int, text: str, final: bool = False) -> None:
+        rank_, name = self.streams[fd]
+        text = self.partial.pop(fd, "") + text
+        parts = _LINE.split(text)
+        out = []
+        for i in range(0, len(parts) - 1, 2):
+            term = "\n" if parts[i + 1] == "\r\n" else parts[i + 1]
+            out.append(f"[rank {rank_}] {parts[i]}{term}")
+        rest = parts[-1]
+        if rest and final:
+            out.append(f"[rank {rank_}] {rest}\n")
+        elif rest:
+            self.partial[fd] = rest
+        if out:
+            target = getattr(sys, name)
+            target.write("".join(out))
+            target.flush()
+
+    def _read_stream(self, fd: int) -> bool:
+        """Forward what is available on ``fd``; False at end of file."""
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._emit(fd, "", final=True)
+            del self.streams[fd]
+            os.close(fd)
+            return False
+        self._emit(fd, data.decode("utf-8", errors="replace"))
+        return True
+
+    def _drain(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while self.streams:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for fd in multiprocessing.connection.wait(list(self.streams), timeout=left):
+                self._read_stream(fd)
+        for fd in list(self.streams):
+            self._emit(fd, "", final=True)
+            del self.streams[fd]
+            os.close(fd)
+
+    # start and stop --------------------------------------------------------
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context(self.plan.start_method)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for r in range(self.plan.nprocs):
+            out_r, out_w = ctx.Pipe(duplex=False)
+            err_r, err_w = ctx.Pipe(duplex=False)
+            res_r, res_w = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_replica_main, name=f"tpukit-replica-{r}",
+                               args=(r, self.plan, self.fn, self.args, out_w, err_w, res_w, os.getpid()))
+            try:
+                with warnings.catch_warnings():
+                    # Python >= 3.12 warns about forking a multi-threaded process; a
+                    # notebook kernel always has threads and the child starts clean.
+                    warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*fork.*")
+                    proc.start()
+            except Exception as exc:
+                for conn in (out_r, err_r, res_r):
+                    conn.close()
+                how = ("define it at the top level of an importable module, or use start_method='fork'"
+                       if self.plan.start_method != "fork" else "see the error above")
+                raise LaunchError(f"could not start replica {r} with start_method={self.plan.start_method!r}: "
+                                  f"{type(exc).__name__}: {exc}. For 'spawn' the function and its arguments must be "
+                                  f"picklable; {how}.") from None
+            finally:
+                for conn in (out_w, err_w, res_w):
+                    conn.close()
+            self.procs.append(proc)
+            for conn, name in ((out_r, "stdout"), (err_r, "stderr")):
+                fd = os.dup(conn.fileno())
+                conn.close()
+                self.streams[fd] = (r, name)
+            self.results[r] = res_r
+
+    def _stop(self) -> None:
+        """Terminate, then kill, then reap every child still running; safe to call twice."""
+        try:
+            live = [p for p in self.procs if p.is_alive()]
+            for p in live:
+                p.terminate()
+            deadline = time.monotonic() + _TERMINATE_GRACE
+            for p in live:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:  # even if interrupted again: no child may survive
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
+            for p in self.procs:
+                p.join(5)
+
+    def _close(self) -> None:
+        for conn in self.results.values():
+            conn.close()
+        self.results.clear()
+        for fd in list(self.streams):
+            os.close(fd)
+        self.streams.clear()
+
+    # supervision -----------------------------------------------------------
+    def _failure(self, r: int, summary: str | None, detail: str) -> LaunchError:
+        others = "; the other replicas were stopped" if self.plan.nprocs > 1 else ""
+        if summary is None:  # not an exception in fn: detail says what went wrong
+            stopped = " The other replicas were stopped." if others else ""
+            return LaunchError(f"replica rank {r} failed: {detail}{stopped}")
+        return LaunchError(f"replica rank {r} failed with {summary}{others}. Its traceback:\n\n{detail.rstrip()}")
+
+    def _died(self, r: int) -> LaunchError:
+        code = self.procs[r].exitcode
+        if code is not None and code < 0:
+            how = f"was killed by signal {signal.Signals(-code).name}"
+        else:
+            how = f"exited with code {code}"
+        stopped = " The other replicas were stopped." if self.plan.nprocs > 1 else ""
+        return LaunchError(f"replica rank {r} {how} without returning a result (a crash, os._exit or out of memory); "
+                           f"its output above may say why.{stopped}")
+
+    def _receive(self, r: int) -> LaunchError | None:
+        conn = self.results.pop(r)
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            msg = None
+        finally:
+            conn.close()
+        if msg is None:
+            self.procs[r].join(_TERMINATE_GRACE)
+            return self._died(r)
+        if msg[0] == "error":
+            return self._failure(r, msg[1], msg[2])
+        if msg[1]:
+            self.value = msg[2]
+        return None
+
+    def run(self) -> Any:
+        self.value = None
+        try:
+            self._start()
+            sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+            failure: LaunchError | None = None
+            while self.results and failure is None:
+                waiting = list(self.streams) + list(self.results.values()) + list(sentinels)
+                for obj in multiprocessing.connection.wait(waiting, timeout=1.0):
+                    if isinstance(obj, int) and obj in self.streams:
+                        self._read_stream(obj)
+                    elif isinstance(obj, int) and obj in sentinels:
+                        r = sentinels.pop(obj)
+                        if r in self.results and not self.results[r].poll(0):
+                            self.results.pop(r).close()
+                            self.procs[r].join()
+                            failure = failure or self._died(r)
+                    else:
+                        r = next(k for k, c in self.results.items() if c is obj)
+                        failure = self._receive(r) or failure
+                    if failure is not None:
+                        break
+            if failure is not None:
+                self._stop()
+                self._drain(_DRAIN_GRACE)
+                raise failure
+            deadline = time.monotonic() + _EXIT_GRACE
+            for p in self.procs:  # every replica answered; let them exit on their own
+                while p.is_alive() and time.monotonic() < deadline and self.streams:
+                    for fd in multiprocessing.connection.wait(list(self.streams) + [p.sentinel], timeout=0.2):
+                        if fd in self.streams:
+                            self._read_stream(fd)
+                p.join(max(0.0, deadline - time.monotonic()))
+            if any(p.is_alive() for p in self.procs):
+                log.debug("tpukit.launch: replicas returned but did not exit within %.0fs; terminating them",
+                          _EXIT_GRACE)
+            self._stop()
+            self._drain(_DRAIN_GRACE)
+            return self.value
+        finally:
+            self._stop()
+            self._close()
