@@ -182,9 +182,13 @@ def test_compiling_now_while_a_large_graph_compiles(rt):
 
 
 def test_cell_mapping_through_an_interactive_shell(rt):
+    import sys
+    import types
+
     from IPython.core.interactiveshell import InteractiveShell
 
-    shell = InteractiveShell.instance()
+    main, hooks = sys.modules["__main__"], (sys.displayhook, sys.excepthook)
+    shell = InteractiveShell.instance(user_module=types.ModuleType("tpukit_cells"))
     try:
         shell.run_cell("import torch, tpukit", store_history=True)
         n0 = compiles.event_count()
@@ -199,6 +203,8 @@ def test_cell_mapping_through_an_interactive_shell(rt):
         assert events[-1].where == f"cell [{res.execution_count}] line 3"
     finally:
         InteractiveShell.clear_instance()
+        sys.modules["__main__"] = main  # the shell installs its own __main__
+        sys.displayhook, sys.excepthook = hooks
 
 
 def test_on_step_every_n_and_failing_listener_is_detached(rt):

@@ -26,9 +26,13 @@ from dataclasses import dataclass
 WARMUP_GRAPHS = 2
 FORCED_CAUSE = "access tensor value"
 _FRAME_RE = re.compile(r"^\s*(?P<func>.+?) \((?P<file>.*):(?P<line>\d+)\)\s*$")
-_HIDDEN_PARTS = (os.sep + "torch" + os.sep, os.sep + "torch_xla" + os.sep, os.sep + "tpukit" + os.sep,
-                 os.sep + "widgets" + os.sep, os.sep + "IPython" + os.sep, os.sep + "ipykernel" + os.sep)
-_LIB_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Installed packages (torch, torch_xla, IPython, decorator, ...) and tpukit itself
+# are machinery; the user's code is everything else.
+_HIDDEN_PARTS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep,
+                 os.sep + "torch" + os.sep, os.sep + "torch_xla" + os.sep, os.sep + "IPython" + os.sep,
+                 os.sep + "ipykernel" + os.sep)
+_SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LIB_ROOTS = (os.path.join(_SRC, "tpukit") + os.sep, os.path.join(_SRC, "widgets") + os.sep)
 
 
 @dataclass(frozen=True)
@@ -48,7 +52,7 @@ class Frame:
         f = self.filename
         if f.startswith("<") and "ipython-input" not in f:
             return True
-        return any(p in f for p in _HIDDEN_PARTS) or f.startswith(_LIB_ROOT + os.sep + "tpukit")
+        return any(p in f for p in _HIDDEN_PARTS) or f.startswith(_LIB_ROOTS)
 
     def __str__(self) -> str:
         if self.cell:

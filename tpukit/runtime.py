@@ -82,6 +82,9 @@ class Runtime:
         return (f"Runtime({self.platform}: {self.device_count} x {self.device_type}"
                 f"{' SPMD' if self.spmd else ''}, torch_xla {self.versions.get('torch_xla')}{flag})")
 
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython in a terminal shows the full report
+        p.text(self.report())
+
     def _repr_html_(self) -> str:
         cells = "".join(
             f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(k)}</th>"
