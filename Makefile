@@ -6,7 +6,7 @@ VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.tpukit-complete
 PORT   ?= 8888
-NBVAL  := --nbval-lax --nbval-current-env --sanitize-with notebooks/sanitize.cfg
+NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
 
 # Tests and notebooks run on XLA:CPU; these are overridable from the environment.
 export PJRT_DEVICE ?= CPU
@@ -14,12 +14,15 @@ export TPUKIT_PROFILE ?= ci
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
+# nbval/nbconvert kernels have no widget front end: dashboards print text there.
+export TPUKIT_DASHBOARD ?= text
 
-.PHONY: lab test test-unit test-notebooks notebooks bench doctor install clean help
+.PHONY: lab test test-unit test-notebooks test-e2e notebooks bench doctor install clean help
 
 help:
 	@echo "make lab    - build .venv if needed and start JupyterLab on notebooks/"
 	@echo "make test   - build .venv if needed, run unit tests and the notebooks (nbval)"
+	@echo "make test-e2e - JupyterLab + headless Chromium end-to-end test of the dashboard and magics"
 	@echo "make notebooks - re-execute the notebooks in place (refreshes their outputs)"
 	@echo "make bench  - run the benchmarks in bench/ (prints tables, writes bench/results/)"
 	@echo "make doctor - print the device/runtime report"
@@ -49,7 +52,15 @@ lab: $(STAMP)
 test: $(STAMP) test-unit test-notebooks
 
 test-unit: $(STAMP)
-	$(VPY) -m pytest tests -q
+	$(VPY) -m pytest tests -q --ignore=tests/e2e
+
+# Needs Debian's chromium (installed here when missing; Playwright's own browser
+# download is not possible offline) and the playwright Python package.
+test-e2e: $(STAMP)
+	@command -v chromium >/dev/null 2>&1 || { echo "tpukit: installing Debian's chromium"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	@$(VPY) -c 'import playwright' 2>/dev/null || $(VPY) -m pip install --progress-bar off -q playwright
+	$(VPY) -m pytest tests/e2e -q -p no:cacheprovider
 
 test-notebooks: $(STAMP)
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \

@@ -204,7 +204,6 @@ class CompileLog:
         self._events: list[CompileEvent] = []
         self._graphs_at: dict[tuple, list[tuple[str, int]]] = {}  # location -> [(graph hash, sync no)]
         self._in_post = False
-        self._sync_no = 0
         self._last_at: dict[tuple, CompileEvent] = {}
 
     @property
@@ -240,9 +239,11 @@ class CompileLog:
             self._partial = lines.pop()  # incomplete last line
             changed: list[CompileEvent] = []
             now = time.time()
-            self._sync_no = _sync_count()
+            first_new = len(self._events)
             for line in lines:
                 self._feed(line, now, changed)
+            if len(self._events) > first_new:
+                self._classify(range(first_new, len(self._events)), changed)
             ended = [e for e in changed if e.end is not None]
             if ended:
                 self._fix_times(ended, changed)
@@ -290,23 +291,39 @@ class CompileLog:
         ev = CompileEvent(index=len(self._events), start=now, end=None, cause=fields["cause"],
                           graph_hash=fields["graph_hash"], inputs=fields["inputs"],
                           outputs=fields["outputs"], frames=frames)
-        user = ev.user_frames
-        key = tuple((f.filename, f.line) for f in user) or ("<unknown>",)
-        seen = self._graphs_at.setdefault(key, [])
-        new_graph = all(g != ev.graph_hash for g, _ in seen)
-        if ev.forced:
-            ev = dataclasses.replace(ev, hint=hint_for(ev, None))
-        if new_graph:
-            # Warm-up: a location may compile a second graph on the very next sync
-            # (the step after the optimizer created its state). Anything later is
-            # a recompilation.
-            late = bool(seen) and self._sync_no - seen[0][1] >= 2
-            if user and (len(seen) >= self.warmup_graphs or late):
-                ev = dataclasses.replace(ev, recompilation=True, hint=hint_for(ev, self._last_at.get(key)))
-            seen.append((ev.graph_hash, self._sync_no))
-            self._last_at[key] = ev
         self._events.append(ev)
         return ev
+
+    def _classify(self, indices: range, changed: list[CompileEvent]) -> None:
+        """Flag the events started in this poll that are recompilations, with a hint.
+
+        Each compile is dated by the sync it belongs to. torch_xla counts a sync
+        (MarkStep) after its compilation, so a compile still running belongs to
+        the next count.
+        """
+        count = _sync_count()
+        for i in indices:
+            ev = self._events[i]
+            sync_no = count if ev.end is not None else count + 1
+            user = ev.user_frames
+            key = tuple((f.filename, f.line) for f in user) or ("<unknown>",)
+            seen = self._graphs_at.setdefault(key, [])
+            new = ev
+            if ev.forced:
+                new = dataclasses.replace(new, hint=hint_for(ev, None))
+            if all(g != ev.graph_hash for g, _ in seen):
+                # Warm-up: a location may compile a second graph on the very next
+                # sync (the step after the optimizer created its state). A third
+                # graph, or a second one after a steady stretch, is a recompilation.
+                late = bool(seen) and sync_no - seen[0][1] >= 2
+                if user and (len(seen) >= self.warmup_graphs or late):
+                    new = dataclasses.replace(new, recompilation=True, hint=hint_for(ev, self._last_at.get(key)))
+                seen.append((ev.graph_hash, sync_no))
+                self._last_at[key] = ev
+            if new is not ev:
+                self._events[i] = new
+                changed[:] = [dataclasses.replace(new, end=c.end, start=c.start) if c.index == i else c
+                              for c in changed]
 
     def compiling_now(self) -> CompileEvent | None:
         """The compilation running right now (after a poll), or None."""

@@ -271,6 +271,7 @@ def _synced_snapshot():
     """Sync pending work (when the runtime runs), wait for it, then read the counters."""
     if _xla.runtime_initialized():
         _xla.sync(wait=True)
+        _xla.wait_device_ops()  # executions are counted when they finish, after sync(wait=True)
     return _snapshot_now()
 
 

@@ -111,12 +111,29 @@ def current() -> Runtime | None:
     return _STATE[0] if _STATE else None
 
 
+_CONFIGURED_TRACE: str | None = None  # the trace file configure() chose for this process
+
+
 def trace_file() -> str | None:
     """Path of the compile-trace file torch_xla writes to in this process, if tracing is on."""
+    _forget_trace_env()
     rt = current()
     if rt is not None:
         return rt.trace_file
+    if _CONFIGURED_TRACE:
+        return _CONFIGURED_TRACE
     return _active_trace_file()
+
+
+def _forget_trace_env() -> None:
+    """Once torch_xla has written its first compile (it reads the variables then, once),
+    drop them from os.environ so processes started from this one (``!python train.py``,
+    doctor) do not append to our file."""
+    if (_CONFIGURED_TRACE and os.environ.get(TRACE_FILE_ENV) == _CONFIGURED_TRACE
+            and _xla.runtime_initialized() and os.path.exists(_CONFIGURED_TRACE)
+            and os.path.getsize(_CONFIGURED_TRACE) > 0):
+        os.environ.pop(TRACE_FILE_ENV, None)
+        os.environ.pop(TRACE_LEVEL_ENV, None)
 
 
 def _active_trace_file() -> str | None:
@@ -179,6 +196,7 @@ def configure(req: Request | None = None, env: environment.Environment | None = 
     Returns the trace-file path (or None) and the problems found. Safe to call
     before torch_xla is imported (that is when it can do the most).
     """
+    global _CONFIGURED_TRACE
     req = req or Request()
     env = env or environment.inspect()
     problems: list[str] = []
@@ -190,8 +208,10 @@ def configure(req: Request | None = None, env: environment.Environment | None = 
     trace = None
     if req.trace_compiles:
         trace = _active_trace_file()
-        if trace is None and not _xla.is_imported():
-            trace = _new_trace_path()
+        if trace is None and _CONFIGURED_TRACE and _xla.runtime_initialized():
+            trace = _CONFIGURED_TRACE  # configured earlier; its variables were dropped at start
+        elif trace is None and not _xla.is_imported():
+            trace = _CONFIGURED_TRACE = _new_trace_path()
             os.environ[TRACE_LEVEL_ENV] = "1"
             os.environ[TRACE_FILE_ENV] = trace
         elif trace is None:
@@ -292,6 +312,7 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
             problems.extend(_unapplied(req, rt, only=("device", "cpu_devices")))
         rt = dataclasses.replace(rt, problems=tuple(problems))
         _STATE = (rt, req)
+        _forget_trace_env()
         return rt
 
 

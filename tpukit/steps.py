@@ -31,7 +31,13 @@ logger = logging.getLogger("tpukit")
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step (one sync) cost, and the scalars logged in it. Times in seconds."""
+    """What one step (one sync) cost, and the scalars logged in it. Times in seconds.
+
+    Compiles happen inside the step's sync and are exact. Executions run
+    asynchronously and are counted when they finish, so on a device that runs
+    ahead of the host a step's ``executions``/``execute_time`` may include the
+    previous step's graph; totals over a loop are exact.
+    """
 
     step: int
     start: float
@@ -327,10 +333,10 @@ class Tracker:
             self.dashboard = dashboard(batch_size=self.batch_size)
         source, self_syncing = self._source()
         bar = _progress_bar(self.total, self.desc) if self.progress else None
+        with _STATE_LOCK:  # registered first, so the flush below is not a free-standing step
+            _ACTIVE_TRACKERS.append(self)
         _xla.sync()  # flush work queued before the loop so step 1 measures only itself
         clock = _Clock()
-        with _STATE_LOCK:
-            _ACTIVE_TRACKERS.append(self)
         _ensure_hook()
         self.started = time.time()
         publish("on_track_start", self)

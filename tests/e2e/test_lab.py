@@ -1,0 +1,183 @@
+"""End to end: JupyterLab in headless Chromium, driven by Playwright.
+
+Starts JupyterLab from the project's environment on a free 127.0.0.1 port with a
+token, opens a small notebook, runs ``%load_ext tpukit``, ``%tpu``, an ``%%xla``
+cell and a short training loop with the live dashboard, and checks the page's
+DOM: the header names the device, the step counter grows while the cell is still
+running, a deliberate recompilation shows up as an alert naming the cell and
+line, and the static report image exists after the loop. Screenshots of the live
+dashboard and the report go to docs/images/; on failure the page is saved to
+build/e2e-failure.png. Run with ``make test-e2e`` (installs Debian's chromium).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGES = ROOT / "docs" / "images"
+BUILD = ROOT / "build"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-quic", "--disable-dev-shm-usage"]
+LOOP_LINE = 9  # line of the `for` statement in the training cell below
+
+CELLS = [
+    "%load_ext tpukit",
+    "%tpu",
+    "%%xla\nimport torch\nx = torch.arange(6, dtype=torch.float32, device='xla')\ny = (x * 2).sum()",
+    # The training cell: 24 slow steps, the batch shrinks at step 13 (a deliberate recompilation).
+    "import time, torch, tpukit\n"
+    "torch.manual_seed(0)\n"
+    "model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2)).to('xla')\n"
+    "opt = torch.optim.AdamW(model.parameters(), lr=1e-2)\n"
+    "data = [(torch.randn(16 if i < 12 else 12, 8), torch.randint(0, 2, (16 if i < 12 else 12,))) for i in range(24)]\n"
+    "def slow(batches):\n"
+    "    for b in batches:\n"
+    "        time.sleep(0.4); yield b\n"
+    "for x, y in tpukit.track(slow(data), total=len(data), dashboard=True, progress=False):\n"
+    "    loss = torch.nn.functional.cross_entropy(model(x), y)\n"
+    "    loss.backward(); opt.step(); opt.zero_grad()\n"
+    "    tpukit.log(loss=loss)\n",
+]
+
+
+def _notebook() -> dict:
+    cells = [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],
+              "source": src} for i, src in enumerate(CELLS)]
+    return {"cells": cells, "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                         "language": "python"}}, "nbformat": 4, "nbformat_minor": 5}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab server on 127.0.0.1 serving a folder with the test notebook; stopped whatever happens."""
+    (tmp_path / "e2e.ipynb").write_text(json.dumps(_notebook()))
+    port, token = _free_port(), secrets.token_hex(16)
+    # A user's environment: the widget front end, not the text fallback CI/nbval get.
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "NBVAL", "TPUKIT_DASHBOARD")}
+    env.update(PJRT_DEVICE="CPU", JUPYTER_PLATFORM_DIRS="1")
+    jupyter = Path(sys.executable).with_name("jupyter")
+    proc = subprocess.Popen(
+        [str(jupyter), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
+         "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=False"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError("JupyterLab did not start:\n" + (proc.stdout.read() if proc.stdout else ""))
+                time.sleep(0.5)
+        yield base, token
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _steps(text: str) -> int | None:
+    m = re.search(r"steps\s+(\d+)", text)
+    return int(m.group(1)) if m else None
+
+
+def test_dashboard_and_magics_in_jupyterlab(lab):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not os.path.exists(CHROMIUM):
+        pytest.fail("Debian's chromium is not installed: run `make test-e2e`, which installs it")
+    base, token = lab
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1800})
+        try:
+            page.goto(f"{base}/lab/tree/e2e.ipynb?token={token}", timeout=120_000)
+            page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=120_000)
+            page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                                   " && window.jupyterapp.shell.currentWidget.sessionContext"
+                                   " && window.jupyterapp.shell.currentWidget.sessionContext.session", timeout=120_000)
+            page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+
+            # %tpu renders the runtime report as an HTML table.
+            report = page.locator("table.tpukit-runtime").first
+            report.wait_for(timeout=180_000)
+            assert "CPU" in report.inner_text() and "torch_xla" in report.inner_text()
+
+            # %%xla prints what the cell cost.
+            xla_out = page.locator(".jp-Cell").nth(2).locator(".jp-OutputArea-output")
+            xla_out.first.wait_for(timeout=120_000)
+            page.wait_for_function("() => document.querySelectorAll('.jp-Cell')[2].innerText.includes('%%xla:')",
+                                   timeout=120_000)
+            assert re.search(r"%%xla: \d+ compiles? ", page.locator(".jp-Cell").nth(2).inner_text())
+
+            # The live dashboard: header with the device, a growing step counter.
+            dash = page.locator(".tpukit-dashboard").first
+            dash.wait_for(timeout=180_000)
+            header = dash.locator(".tpukit-header")
+            page.wait_for_function("() => (document.querySelector('.tpukit-dashboard .tpukit-header') || {}).innerText"
+                                   "?.includes('CPU')", timeout=60_000)
+            assert "1 × CPU" in header.inner_text()
+            counters = dash.locator(".tpukit-counters")
+            page.wait_for_function(
+                "() => /steps\\s+[1-9]/.test((document.querySelector('.tpukit-dashboard .tpukit-counters') || {}).innerText || '')",
+                timeout=180_000)
+            first = _steps(counters.inner_text())
+            running = page.locator(".jp-Cell").nth(3).locator(".jp-InputPrompt").inner_text()
+            page.wait_for_timeout(2500)
+            second = _steps(counters.inner_text())
+            still_running = page.locator(".jp-Cell").nth(3).locator(".jp-InputPrompt").inner_text()
+            assert "*" in running and "*" in still_running, (running, still_running)
+            assert first is not None and second is not None and second > first, (first, second)
+
+            # The deliberate recompilation appears as an alert naming the cell and line.
+            page.wait_for_function(
+                "() => /cell \\[4\\] line \\d+/.test((document.querySelector('.tpukit-dashboard .tpukit-alerts') || {}).innerText || '')",
+                timeout=180_000)
+            alerts = dash.locator(".tpukit-alerts").inner_text()
+            assert f"cell [4] line {LOOP_LINE}" in alerts, alerts
+            IMAGES.mkdir(parents=True, exist_ok=True)
+            dash.screenshot(path=str(IMAGES / "dashboard_live.png"))
+
+            # After the loop: the static report (table + PNG) survives without widgets.
+            page.wait_for_function(
+                "() => document.querySelectorAll('.jp-Cell')[3].querySelector('.jp-InputPrompt').innerText.includes('[4]')",
+                timeout=300_000)
+            report_img = page.locator(".jp-Cell").nth(3).locator(".jp-RenderedImage img, .jp-RenderedHTMLCommon img")
+            report_img.first.wait_for(timeout=60_000)
+            assert (report_img.first.get_attribute("src") or "").startswith(("data:image/png", "blob:"))
+            final = page.locator(".jp-Cell").nth(3).locator(".tpukit-report").first
+            final.wait_for(timeout=60_000)
+            assert _steps(final.inner_text()) == 24
+            page.locator(".jp-Cell").nth(3).locator(".jp-OutputArea").screenshot(path=str(IMAGES / "dashboard_report.png"))
+        except Exception:
+            BUILD.mkdir(exist_ok=True)
+            page.screenshot(path=str(BUILD / "e2e-failure.png"), full_page=True)
+            raise
+        finally:
+            browser.close()
