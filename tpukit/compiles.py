@@ -222,35 +222,56 @@ class CompileLog:
         if not self.path:
             return []
         with self._lock:
-            try:
-                size = os.path.getsize(self.path)
-            except OSError:
-                return []
-            if size < self._offset:  # file truncated / replaced: start over
-                self._offset, self._partial, self._block = 0, "", None
-            if size == self._offset:
-                return []
+            changed = self._read_new()
+        return self._notify(changed)
+
+    def _read_new(self) -> list[CompileEvent]:
+        changed: list[CompileEvent] = []
+        now = time.time()
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            return changed
+        if size < self._offset:  # file truncated / replaced: start over
+            self._offset, self._partial, self._block = 0, "", None
+        first_new = len(self._events)
+        if size > self._offset:
             with open(self.path, "r", errors="replace") as f:
                 f.seek(self._offset)
                 chunk = f.read()
                 self._offset = f.tell()
-            text = self._partial + chunk
-            lines = text.split("\n")
+            lines = (self._partial + chunk).split("\n")
             self._partial = lines.pop()  # incomplete last line
-            changed: list[CompileEvent] = []
-            now = time.time()
-            first_new = len(self._events)
             for line in lines:
                 self._feed(line, now, changed)
-            if len(self._events) > first_new:
-                self._classify(range(first_new, len(self._events)), changed)
-            ended = [e for e in changed if e.end is not None]
-            if ended:
-                self._fix_times(ended, changed)
-        for ev in changed:  # outside the lock: subscribers may poll again
+        self._end_by_count(now, changed)
+        if len(self._events) > first_new:
+            self._classify(range(first_new, len(self._events)), changed)
+        ended = [e for e in changed if e.end is not None]
+        if ended:
+            self._fix_times(ended, changed)
+        return changed
+
+    @staticmethod
+    def _notify(changed: list[CompileEvent]) -> list[CompileEvent]:
+        for ev in changed:  # called outside the lock: subscribers may poll again
             for fn in list(_SUBSCRIBERS):
                 fn(ev)
         return changed
+
+    def _pending_ends(self) -> bool:
+        return any(e.end is None for e in self._events[-4:])
+
+    def _end_by_count(self, now: float, changed: list[CompileEvent]) -> None:
+        """End events the runtime counts as compiled even though no "Post Compilation" block
+        reached the file (under SPMD torch_xla writes that block to stderr instead)."""
+        if not self._pending_ends():
+            return
+        done = _compile_count()
+        for i, e in enumerate(self._events):
+            if e.end is None and i < done:
+                self._events[i] = ev = dataclasses.replace(e, end=now)
+                changed.append(ev)
 
     def _feed(self, line: str, now: float, changed: list) -> None:
         if line.startswith("Compilation Analysis:"):
@@ -340,6 +361,13 @@ def _sync_count() -> int:
     from . import _xla
 
     return int(_xla.counter_value("MarkStep") or 0) if _xla.is_imported() else 0
+
+
+def _compile_count() -> int:
+    from . import _xla
+
+    data = _xla.metric_data("CompileTime") if _xla.is_imported() else None
+    return int(data[0]) if data else 0
 
 
 def _compile_samples() -> list[tuple[float, float]]:

@@ -1,0 +1,51 @@
+"""The live widget view: plain ipywidgets (HTML, Image, VBox, Layout), 7.x and 8.x alike.
+
+Imported only when a dashboard runs in widget mode. It only holds widgets and
+sets their values; what to show is decided in ``dashboard.py`` and ``render.py``.
+"""
+
+from __future__ import annotations
+
+import ipywidgets as widgets
+
+PARTS = ("header", "now", "counters", "alerts", "fallbacks")
+REPR = "tpukit dashboard (live widgets; a static report follows at the end of a tracked loop)"
+
+
+class DashboardBox(widgets.VBox):
+    """The dashboard's container. Its text repr stands in where widgets cannot render
+    (GitHub, nbval's text comparison), like tqdm's notebook bar."""
+
+    def __repr__(self) -> str:
+        return REPR
+
+
+class LiveView:
+    """The widgets of one dashboard, updated in place (no clear_output, no flicker)."""
+
+    def __init__(self, plot: bool = True):
+        self.html = {name: widgets.HTML(value="") for name in PARTS}
+        self.image = widgets.Image(format="png") if plot else None
+        h = self.html
+        children = [h["header"], h["now"], h["counters"]]
+        if self.image is not None:
+            children.append(self.image)
+        children += [h["alerts"], h["fallbacks"]]
+        self.box = DashboardBox(children, layout=widgets.Layout(border="1px solid #e5e7eb", padding="4px 8px"))
+        # Stable CSS classes (ipywidgets 7 and 8) so the page can be styled and tested.
+        self.box.add_class("tpukit-dashboard")
+        for name, w in self.html.items():
+            w.add_class(f"tpukit-{name}")
+
+    def update(self, parts: dict, png: bytes | None = None) -> None:
+        """Set the HTML parts that changed and, if given, the timeline image."""
+        for name, value in parts.items():
+            w = self.html[name]
+            if w.value != value:
+                w.value = value
+        if png is not None and self.image is not None:
+            self.image.value = png
+
+    def values(self) -> dict:
+        """Current HTML values by part name (what the front end shows)."""
+        return {name: w.value for name, w in self.html.items()}
