@@ -202,3 +202,13 @@ def test_badges_are_rewritten_from_the_one_repository_url(tmp_path):
     assert "https://colab.research.google.com/github/someone/tpukit/blob/main/notebooks/demo.ipynb" in text
     assert badges(tmp_path, "https://github.com/someone/tpukit") == []  # idempotent
     assert repository_url().startswith("https://github.com/")
+
+
+def test_a_child_process_does_not_write_into_its_parents_trace_file(rt):
+    # The notebook kernel's tracing variables are inherited by processes it starts.
+    parent = rt.trace_file
+    out = run_python("import tpukit; print(tpukit.setup(device='cpu').trace_file)",
+                     env={"PJRT_DEVICE": "CPU", "PT_XLA_DEBUG_LEVEL": "1", "PT_XLA_DEBUG_FILE": parent})
+    assert out.returncode == 0, out.stderr
+    child = out.stdout.strip().splitlines()[-1]
+    assert child != parent and child.endswith(".log")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import os
+import re
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -116,24 +117,12 @@ _CONFIGURED_TRACE: str | None = None  # the trace file configure() chose for thi
 
 def trace_file() -> str | None:
     """Path of the compile-trace file torch_xla writes to in this process, if tracing is on."""
-    _forget_trace_env()
     rt = current()
     if rt is not None:
         return rt.trace_file
     if _CONFIGURED_TRACE:
         return _CONFIGURED_TRACE
     return _active_trace_file()
-
-
-def _forget_trace_env() -> None:
-    """Once torch_xla has written its first compile (it reads the variables then, once),
-    drop them from os.environ so processes started from this one (``!python train.py``,
-    doctor) do not append to our file."""
-    if (_CONFIGURED_TRACE and os.environ.get(TRACE_FILE_ENV) == _CONFIGURED_TRACE
-            and _xla.runtime_initialized() and os.path.exists(_CONFIGURED_TRACE)
-            and os.path.getsize(_CONFIGURED_TRACE) > 0):
-        os.environ.pop(TRACE_FILE_ENV, None)
-        os.environ.pop(TRACE_LEVEL_ENV, None)
 
 
 def _active_trace_file() -> str | None:
@@ -143,6 +132,12 @@ def _active_trace_file() -> str | None:
         level = 0
     path = os.environ.get(TRACE_FILE_ENV)
     return path if level >= 1 and path else None
+
+
+def _inherited(path: str) -> bool:
+    """True for a trace file tpukit made for another process (its pid is in the name)."""
+    m = re.search(r"tpukit-[^/\\]*[/\\]compiles-(\d+)\.log$", path)
+    return bool(m) and int(m.group(1)) != os.getpid()
 
 
 def _new_trace_path() -> str:
@@ -208,9 +203,9 @@ def configure(req: Request | None = None, env: environment.Environment | None = 
     trace = None
     if req.trace_compiles:
         trace = _active_trace_file()
-        if trace is None and _CONFIGURED_TRACE and _xla.runtime_initialized():
-            trace = _CONFIGURED_TRACE  # configured earlier; its variables were dropped at start
-        elif trace is None and not _xla.is_imported():
+        if trace is not None and not _xla.is_imported() and _inherited(trace):
+            trace = None  # another process's tpukit file (e.g. the notebook kernel's): use our own
+        if trace is None and not _xla.is_imported():
             trace = _CONFIGURED_TRACE = _new_trace_path()
             os.environ[TRACE_LEVEL_ENV] = "1"
             os.environ[TRACE_FILE_ENV] = trace
@@ -312,7 +307,6 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
             problems.extend(_unapplied(req, rt, only=("device", "cpu_devices")))
         rt = dataclasses.replace(rt, problems=tuple(problems))
         _STATE = (rt, req)
-        _forget_trace_env()
         return rt
 
 
