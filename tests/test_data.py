@@ -39,3 +39,13 @@ def test_bucket_batcher_bounds_shapes_and_waste():
     assert stats.waste < full.waste
     with pytest.raises(ValueError, match="must pair up"):
         data.BucketBatcher(seqs, labels[:3], batch_size=8, buckets=buckets)
+
+
+def test_plan_lists_the_kept_examples():
+    seqs = [[1] * n for n in (3, 9, 4, 10, 5, 11, 2)]
+    batcher = data.BucketBatcher(seqs, batch_size=2, buckets=[8, 16])
+    plan = batcher.plan()
+    assert all(len(idx) == 2 for _, idx in plan)
+    kept = [i for _, idx in plan for i in idx]
+    assert len(kept) == len(set(kept)) == 6 and batcher.dropped == 1
+    assert {length for length, _ in plan} == {8, 16}

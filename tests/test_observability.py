@@ -298,3 +298,22 @@ def test_compile_events_end_under_spmd():
     assert out.returncode == 0, out.stderr
     n, ended, now = out.stdout.strip().splitlines()[-1].split()
     assert int(n) >= 1 and ended == "True" and now == "None"
+
+
+def test_track_moves_mapping_batches_like_batchencoding(rt):
+    from collections import UserDict  # transformers' BatchEncoding is a UserDict
+
+    batches = [UserDict({"x": torch.ones(4, 3), "y": torch.zeros(4)}) for _ in range(2)]
+    tracker = tpukit.track(batches, progress=False)
+    for b in tracker:
+        assert b["x"].device.type == "xla" and b["y"].device.type == "xla"
+    assert [r.batch_size for r in tracker.history] == [4, 4]
+
+
+def test_library_only_stack_still_names_a_place():
+    from tpukit.compiles import CompileEvent, Frame
+
+    frames = (Frame("all", "/venv/lib/python3.11/site-packages/torch/_tensor.py", 10),
+              Frame("mask", "/venv/lib/python3.11/site-packages/transformers/masking_utils.py", 369))
+    ev = CompileEvent(0, 0.0, 1.0, "user code trying to access tensor value", "ab" * 16, 1, 1, frames)
+    assert ev.user_frames == () and ev.user_frame.line == 369 and "masking_utils.py:369" in ev.where

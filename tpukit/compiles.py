@@ -31,6 +31,7 @@ _FRAME_RE = re.compile(r"^\s*(?P<func>.+?) \((?P<file>.*):(?P<line>\d+)\)\s*$")
 _HIDDEN_PARTS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep,
                  os.sep + "torch" + os.sep, os.sep + "torch_xla" + os.sep, os.sep + "IPython" + os.sep,
                  os.sep + "ipykernel" + os.sep)
+_MACHINERY_PARTS = _HIDDEN_PARTS[2:]
 _SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIB_ROOTS = (os.path.join(_SRC, "tpukit") + os.sep, os.path.join(_SRC, "widgets") + os.sep)
 
@@ -53,6 +54,12 @@ class Frame:
         if f.startswith("<") and "ipython-input" not in f:
             return True
         return any(p in f for p in _HIDDEN_PARTS) or f.startswith(_LIB_ROOTS)
+
+    @property
+    def is_machinery(self) -> bool:
+        """True for frames inside torch, torch_xla, tpukit or IPython (never worth showing)."""
+        f = self.filename
+        return not self.cell and (any(p in f for p in _MACHINERY_PARTS) or f.startswith(_LIB_ROOTS))
 
     def __str__(self) -> str:
         if self.cell:
@@ -97,9 +104,13 @@ class CompileEvent:
 
     @property
     def user_frame(self) -> Frame | None:
-        """The innermost user frame: where the user should look."""
+        """The innermost user frame: where the user should look. When the trace holds only
+        library frames (torch_xla keeps the innermost few), the innermost one outside
+        torch, torch_xla and tpukit, e.g. a line inside transformers."""
         uf = self.user_frames
-        return uf[0] if uf else None
+        if uf:
+            return uf[0]
+        return next((f for f in self.frames if not f.is_machinery), None)
 
     @property
     def where(self) -> str:

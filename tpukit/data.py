@@ -128,6 +128,10 @@ class BucketBatcher:
             plan = [plan[i] for i in perm]
         return plan
 
+    def plan(self) -> list[tuple[int, list[int]]]:
+        """This epoch's batches as ``(bucket length, example indices)``, in iteration order."""
+        return [(length, list(idx)) for length, idx in self._plan]
+
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for another epoch (when ``shuffle=True``)."""
         self.epoch = epoch

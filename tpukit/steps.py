@@ -20,6 +20,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Iterator
 
 from . import _xla, compiles, metrics
@@ -267,7 +268,7 @@ def on_step(fn: Callable[[StepRecord], Any], every: int = 1) -> Callable[[], Non
 def _batch_size(batch: Any) -> int | None:
     if hasattr(batch, "shape") and len(batch.shape) > 0:
         return int(batch.shape[0])
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         for v in batch.values():
             n = _batch_size(v)
             if n:
@@ -285,6 +286,8 @@ def _to_device(batch: Any, device: Any) -> Any:
         return batch if batch.device == device else batch.to(device)
     if isinstance(batch, dict):
         return type(batch)((k, _to_device(v, device)) for k, v in batch.items())
+    if isinstance(batch, Mapping):  # e.g. transformers' BatchEncoding
+        return {k: _to_device(v, device) for k, v in batch.items()}
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):
         return type(batch)(*(_to_device(v, device) for v in batch))
     if isinstance(batch, (list, tuple)):
