@@ -286,6 +286,12 @@ def _plan(nprocs: int | None, debug_single_process: bool, start_method: str | No
 
 
 def _refuse_if_unsafe(plan: _Plan) -> None:
+    # SPMD first: with SPMD on, no launch mode can work, so do not suggest one.
+    if _xla.is_spmd():
+        raise LaunchError(
+            "tpukit.launch() runs multi-process (xmp.spawn-style) code, but SPMD mode is on in this process "
+            "(tpukit.setup(spmd=True) or XLA_USE_SPMD=1) and the two cannot be combined. Use tpukit.mesh() and "
+            "shard_batch() to train on all cores with SPMD, or restart the kernel without spmd=True to use launch().")
     if plan.mode != "in-process" and _xla.runtime_initialized():
         who = ("tpukit.setup() started it" if runtime.current() is not None
                else "something already used the device, e.g. torch_xla.device() or .to('xla')")
@@ -293,11 +299,6 @@ def _refuse_if_unsafe(plan: _Plan) -> None:
             f"tpukit.launch() cannot start replicas: the XLA runtime is already running in this kernel ({who}), "
             "and child processes cannot use a device their parent holds. Restart the kernel and call "
             "tpukit.launch(...) before anything touches the device (or pass debug_single_process=True).")
-    if _xla.is_spmd():
-        raise LaunchError(
-            "tpukit.launch() runs multi-process (xmp.spawn-style) code, but SPMD mode is on in this process "
-            "(tpukit.setup(spmd=True) or XLA_USE_SPMD=1) and the two cannot be combined. Use tpukit.mesh() and "
-            "shard_batch() to train on all cores with SPMD, or restart the kernel without spmd=True to use launch().")
 
 
 def rank() -> int:

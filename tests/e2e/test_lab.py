@@ -184,6 +184,10 @@ def test_dashboard_and_magics_in_jupyterlab(lab):
             final = page.locator(".jp-Cell").nth(3).locator(".tpukit-report").first
             final.wait_for(timeout=60_000)
             assert _steps(final.inner_text()) == 24
+            news = page.locator(".jp-toast-button", has_text="No")  # JupyterLab's "notify about news?" toast
+            if news.count():
+                news.first.click()
+                page.wait_for_timeout(500)
             page.locator(".jp-Cell").nth(3).locator(".jp-OutputArea").screenshot(path=str(IMAGES / "dashboard_report.png"))
         except Exception:
             BUILD.mkdir(exist_ok=True)
