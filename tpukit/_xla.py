@@ -251,18 +251,21 @@ def tensor_id(t: Any) -> int:
     return int(torch_xla()._XLAC._xla_get_tensor_id(getattr(t, "global_tensor", t)))
 
 
-def to_cpu(tensors: Sequence[Any]) -> list:
+def to_cpu(tensors: Sequence[Any], sync: bool = True) -> list:
     """Copy XLA tensors to new CPU tensors in one batch, computing pending values first.
 
     SPMD-sharded tensors come back whole (gathered from their shards). Like
     ``xm.save``'s conversion, but it also accepts ``nn.Parameter`` and
-    ``XLAShardedTensor`` (``xm`` only converts exact ``torch.Tensor``).
+    ``XLAShardedTensor`` (``xm`` only converts exact ``torch.Tensor``). ``sync=False``
+    skips the sync (and its wait for every pending execution) for tensors whose value
+    is already device data.
     """
     tensors = [getattr(t, "global_tensor", t) for t in tensors]
     if not tensors:
         return []
     xlac = torch_xla()._XLAC
-    xlac._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=False)
+    if sync:  # tensors already synced (e.g. logged values) need no graph run, only the copy
+        xlac._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=False)
     return list(xlac._xla_get_cpu_tensors(tensors))
 
 

@@ -194,7 +194,7 @@ def _on_sync() -> None:
 
 def _read_values(pending: list[tuple[str, Any]]) -> dict[str, float]:
     tensors = [v for _, v in pending if hasattr(v, "detach")]
-    cpu = iter(_xla.to_cpu(tensors)) if tensors else iter(())
+    cpu = iter(_xla.to_cpu(tensors, sync=False)) if tensors else iter(())
     out = {}
     for name, v in pending:
         out[name] = float(next(cpu).item()) if hasattr(v, "detach") else float(v)
