@@ -201,21 +201,6 @@ def tpukit_train(model, batches, device, lr: float = LR) -> dict:
     return {**summarize(tracker.history, shapes, total, delta), "cpu_s": cpu}
 
 
-def _where(event) -> str:
-    """The event's user location, else its innermost frame outside torch/torch_xla (a library frame).
-
-    torch_xla's trace lists only the innermost frames, so a value read deep inside
-    transformers may have no user frame in it at all.
-    """
-    if event.user_frame is not None:
-        return event.where
-    sep = os.sep
-    for f in event.frames:
-        if f"{sep}torch{sep}" not in f.filename and f"{sep}torch_xla{sep}" not in f.filename:
-            return f"{f} (library frame; tpukit says {event.where!r})"
-    return event.where
-
-
 def summarize(history, shapes, total: float, delta) -> dict:
     """Compiles, times and per-shape graph counts of a tracked loop."""
     steady = [r.wall for r in history if r.compiles == 0]
@@ -228,7 +213,7 @@ def summarize(history, shapes, total: float, delta) -> dict:
         forced = [e for e in rec.compile_events if e.forced]
         step_graphs[key] = step_graphs.get(key, 0) + rec.compiles - len(forced)
         for e in forced:
-            where = _where(e)
+            where = e.where  # the user's line, else the innermost library line (e.g. transformers)
             forced_where[where] = forced_where.get(where, 0) + 1
     losses = [r.scalars.get("loss") for r in history if "loss" in r.scalars]
     return {
