@@ -469,3 +469,33 @@ def test_launch_in_a_real_notebook_kernel(tmp_path):
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_rank0_records_reach_the_launching_process():
+    # One real XLA:CPU replica in a forked child (collectives are not needed for this);
+    # the launching process's listener receives the child's step records and compile events.
+    from conftest import run_python
+
+    code = (
+        "import json, torch, tpukit\n"
+        "from tpukit import parallel as par\n"
+        "got = []\n"
+        "class L:\n"
+        "    def on_step(self, r): got.append(['step', r.step, r.scalars.get('v')])\n"
+        "    def on_compile(self, e): got.append(['compile', e.graph_hash[:6]])\n"
+        "tpukit.add_listener(L())\n"
+        "tpukit.runtime.configure()  # compile tracing on, runtime not started (what %load_ext does)\n"
+        "def work(i):\n"
+        "    x = torch.zeros(3, device='xla')\n"
+        "    for _ in tpukit.track([torch.ones(2)] * 3, progress=False):\n"
+        "        x = x + 1\n"
+        "        tpukit.log(v=x.sum())\n"
+        "    return 7\n"
+        "value = par.launch(work, nprocs=1, start_method='fork')\n"
+        "print('RESULT', json.dumps([value, got]))\n")
+    out = run_python(code, env={"PJRT_DEVICE": "CPU"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    value, got = json.loads(out.stdout.split("RESULT", 1)[1])
+    assert value == 7
+    assert [g for g in got if g[0] == "step"] == [["step", 1, 3.0], ["step", 2, 6.0], ["step", 3, 9.0]]
+    assert any(g[0] == "compile" for g in got)

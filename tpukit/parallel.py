@@ -37,13 +37,14 @@ import os
 import re
 import signal
 import sys
+import threading
 import time
 import traceback
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from . import _xla, environment, runtime
+from . import _xla, environment, runtime, steps
 from .errors import LaunchError, RuntimeStateError, ShardingError, TpukitWarning
 
 log = logging.getLogger("tpukit")
@@ -428,6 +429,9 @@ def _replica_main(rank_: int, plan: _Plan, fn: Callable[..., Any], args: tuple, 
     _die_with_parent()
     if plan.start_method != "forkserver" and os.getppid() != parent_pid:  # parent died before prctl
         os._exit(1)
+    forwarder = _RecordForwarder(res_w) if rank_ == 0 else None
+    if forwarder is not None:
+        steps.add_listener(forwarder)
     try:
         if plan.mode == "independent":
             os.environ[RANK_ENV] = str(rank_)
@@ -445,6 +449,8 @@ def _replica_main(rank_: int, plan: _Plan, fn: Callable[..., Any], args: tuple, 
             msg = ("error", f"SystemExit({exc.code!r})", _user_traceback(exc))
     except BaseException as exc:  # report everything, including KeyboardInterrupt in the child
         msg = ("error", f"{type(exc).__name__}: {exc}", _user_traceback(exc))
+    if forwarder is not None:
+        steps.remove_listener(forwarder)
     try:
         res_w.send(msg)
     except Exception as exc:  # an unpicklable return value
@@ -455,6 +461,28 @@ def _replica_main(rank_: int, plan: _Plan, fn: Callable[..., Any], args: tuple, 
         res_w.close()
         sys.stdout.flush()
         sys.stderr.flush()
+
+
+class _RecordForwarder:
+    """Listener in replica rank 0: sends its step records and compile events to the
+    launching process, which publishes them to its own listeners (e.g. the notebook's
+    dashboard). Under one thread per device only ordinal 0's records are sent."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def _send(self, kind: str, record: Any) -> None:
+        if rank() != 0:
+            return
+        with self.lock:
+            self.conn.send(("record", kind, record))
+
+    def on_step(self, record: Any) -> None:
+        self._send("on_step", record)
+
+    def on_compile(self, event: Any) -> None:
+        self._send("on_compile", event)
 
 
 # --------------------------------------------------------------------------- launcher: parent side
@@ -596,13 +624,16 @@ class _Launcher:
                            f"its output above may say why.{stopped}")
 
     def _receive(self, r: int) -> LaunchError | None:
-        conn = self.results.pop(r)
+        conn = self.results[r]
         try:
             msg = conn.recv()
         except (EOFError, OSError):
             msg = None
-        finally:
-            conn.close()
+        if msg is not None and msg[0] == "record":  # rank 0's step record / compile event
+            steps.publish(msg[1], msg[2])
+            return None
+        self.results.pop(r)
+        conn.close()
         if msg is None:
             self.procs[r].join(_TERMINATE_GRACE)
             return self._died(r)

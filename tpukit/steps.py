@@ -160,6 +160,8 @@ _FREE_CLOCK: _Clock | None = None
 def _ensure_hook() -> None:
     """Arm the self-renewing step closure that runs after every sync."""
     global _HOOK_ARMED, _FREE_CLOCK
+    if not _xla.runtime_initialized():
+        return  # arming would start the runtime; track()/log() arm it once the device is in use
     with _STATE_LOCK:
         if _FREE_CLOCK is None and (_CALLBACKS or any(hasattr(l, "on_step") for l in listeners())):
             _FREE_CLOCK = _Clock()
