@@ -24,6 +24,7 @@ from .errors import DeviceNotFoundError, TorchXlaMissingError, VersionMismatchEr
 DEVICE_CHOICES = ("auto", "tpu", "cpu")
 TRACE_LEVEL_ENV = "PT_XLA_DEBUG_LEVEL"
 TRACE_FILE_ENV = "PT_XLA_DEBUG_FILE"
+METRIC_SAMPLES_ENV, METRIC_SAMPLES = "XLA_METRICS_SAMPLES", "64"  # set it yourself to keep more
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,10 @@ def configure(req: Request | None = None, env: environment.Environment | None = 
     env = env or environment.inspect()
     problems: list[str] = []
     kind = _resolve_device(req, env)
+    if not _xla.is_imported():
+        # torch_xla keeps 1024 timing samples per metric and copies them all on every
+        # read; tpukit reads counters every step and needs only the newest few.
+        os.environ.setdefault(METRIC_SAMPLES_ENV, METRIC_SAMPLES)
     if not _xla.runtime_initialized():
         os.environ["PJRT_DEVICE"] = kind
         if req.cpu_devices and kind == "CPU":

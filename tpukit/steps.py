@@ -347,9 +347,10 @@ class Tracker:
         publish("on_track_start", self)
         completed = False
         try:
-            # A step's record is completed and published after the *next* step
-            # was launched, so reading its logged values never stalls the host
-            # while the device still executes (and its execute time is known).
+            # A step's logged values are read, and its record published, once the
+            # *next* step has been traced and just before that step's sync: the
+            # host never waits for the device while it could be tracing, and the
+            # sync would have waited for the previous execution anyway.
             held: tuple[StepRecord, list] | None = None
             batch = next(source, _END)
             while batch is not _END:
@@ -357,13 +358,13 @@ class Tracker:
                     batch = _to_device(batch, self.device)
                 n = self.batch_size or _batch_size(batch)
                 yield batch
+                if held is not None:
+                    self._record(*held, bar)
+                    held = None
                 if not self_syncing:
                     _xla.sync()
                 batch = next(source, _END)  # torch_xla's device loader syncs the step here
-                rec, values = clock.tick({}, n), take_synced()
-                if held is not None:
-                    self._record(*held, bar)
-                held = (rec, values)
+                held = (clock.tick({}, n), take_synced())
             if held is not None:
                 self._record(*held, bar)
             completed = True
