@@ -69,6 +69,7 @@ def header_html(runtime: Any, tracing: bool, title: str = "tpukit dashboard") ->
 
 
 def header_text(runtime: Any) -> str:
+    """The header as one plain-text line."""
     return "tpukit dashboard: " + " · ".join(f"{k} {v}" for k, v in header_rows(runtime))
 
 
@@ -114,6 +115,7 @@ def counters_html(v: View) -> str:
 # ---------------------------------------------------------------- now line
 
 def now_html(v: View) -> str:
+    """The now line (idle / executing step N / compiling graph ... for N s, triggered by ...)."""
     colour = _KIND_COLOUR.get(v.now_kind, MUTED)
     return f"<div><span style='color:{colour}'>●</span> <b>now</b> {_e(v.now)}</div>"
 
@@ -121,6 +123,7 @@ def now_html(v: View) -> str:
 # ---------------------------------------------------------------- alerts
 
 def alert_rows(v: View) -> list[tuple[str, ...]]:
+    """(step, graph, where, cause, hint) per shown recompilation, latest first."""
     return [(str(a.step) if a.step is not None else "?", (a.graph_hash[:6] + "…") if a.graph_hash else "?",
              a.where, a.cause, a.hint) for a in v.alerts]
 
