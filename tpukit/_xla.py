@@ -91,11 +91,6 @@ def device(index: int | None = None):
     return torch_xla().device(index)
 
 
-def devices() -> list:
-    """All devices addressable by this process."""
-    return list(torch_xla().devices())
-
-
 def sync(wait: bool = False) -> None:
     """Cut the lazy graph and launch it (``torch_xla.sync``); runs step closures."""
     torch_xla().sync(wait=wait)
@@ -129,11 +124,6 @@ def process_count() -> int:
 def global_ordinal() -> int:
     """This replica's global ordinal (0 is the master)."""
     return int(runtime().global_ordinal())
-
-
-def is_master() -> bool:
-    """True on the replica that writes files (global ordinal 0)."""
-    return global_ordinal() == 0
 
 
 def use_spmd() -> None:
@@ -189,10 +179,6 @@ def memory_info(dev=None) -> dict | None:
 
 # --------------------------------------------------------------------------- metrics
 
-def metric_names() -> list[str]:
-    """Names of torch_xla's metrics (timings and sizes with samples)."""
-    return list(_met().metric_names())
-
 
 def metric_data(name: str):
     """``(count, accumulator, samples)`` of one metric, or None if never recorded."""
@@ -207,16 +193,6 @@ def counter_names() -> list[str]:
 def counter_value(name: str) -> int | None:
     """Value of one counter, or None if it was never incremented."""
     return _met().counter_value(name)
-
-
-def metrics_report() -> str:
-    """torch_xla's full text report (for the rare user who wants the raw wall)."""
-    return _met().metrics_report()
-
-
-def clear_metrics() -> None:
-    """Reset every torch_xla counter and metric."""
-    _met().clear_all()
 
 
 # --------------------------------------------------------------------------- tensors
@@ -240,7 +216,6 @@ def pending_ir(tensors: Sequence[Any]) -> str:
 def pending_hlo(tensors: Sequence[Any]) -> str:
     """The HLO text that would compute ``tensors``."""
     return torch_xla()._XLAC._get_xla_tensors_hlo(list(tensors))
-
 
 
 # --------------------------------------------------------------------------- checkpoints
