@@ -31,10 +31,9 @@ def _counter(name: str) -> int:
 
 
 @dataclass(frozen=True)
-class Snapshot:
-    """The runtime's cumulative counters at one moment (times in seconds)."""
+class Counts:
+    """The counters a Snapshot holds and a Delta differences (times in seconds)."""
 
-    time: float
     compiles: int = 0  # uncached: a new graph was compiled
     cached_compiles: int = 0  # graph found in the in-memory cache
     compile_time: float = 0.0
@@ -51,39 +50,30 @@ class Snapshot:
     fallbacks: dict = field(default_factory=dict)  # {"aten::nonzero": 3}
     memory: dict | None = None  # {"bytes_used", "bytes_limit"} where supported
 
+
+_NUMERIC = tuple(f.name for f in fields(Counts) if f.name not in ("fallbacks", "memory"))
+
+
+@dataclass(frozen=True)
+class Snapshot(Counts):
+    """The runtime's cumulative counters at one moment."""
+
+    time: float = 0.0
+
     def __sub__(self, earlier: "Snapshot") -> "Delta":
         if not isinstance(earlier, Snapshot):
             return NotImplemented
-        values = {}
-        for f in fields(Delta):
-            if f.name in ("seconds", "fallbacks", "memory"):
-                continue
-            values[f.name] = getattr(self, f.name) - getattr(earlier, f.name)
+        values = {name: getattr(self, name) - getattr(earlier, name) for name in _NUMERIC}
         fb = {k: v - earlier.fallbacks.get(k, 0) for k, v in self.fallbacks.items()}
         return Delta(seconds=self.time - earlier.time, fallbacks={k: v for k, v in fb.items() if v > 0},
                      memory=self.memory, **values)
 
 
 @dataclass(frozen=True)
-class Delta:
+class Delta(Counts):
     """What happened between two snapshots; ``str()`` is a one-line summary."""
 
     seconds: float = 0.0
-    compiles: int = 0
-    cached_compiles: int = 0
-    compile_time: float = 0.0
-    executions: int = 0
-    execute_time: float = 0.0
-    to_device: int = 0
-    to_device_time: float = 0.0
-    to_host: int = 0
-    to_host_time: float = 0.0
-    syncs: int = 0
-    item_reads: int = 0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    fallbacks: dict = field(default_factory=dict)
-    memory: dict | None = None
 
     def __str__(self) -> str:
         return summary_line(self)
