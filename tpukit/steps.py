@@ -180,15 +180,11 @@ def _on_sync() -> None:
     global _HOOK_ARMED, _FREE_CLOCK
     with _STATE_LOCK:
         _HOOK_ARMED = False
-        pending = list(_PENDING)
+        _SYNCED.extend(_PENDING)  # now device data: readable without an execution
         _PENDING.clear()
-    if pending:
-        with _STATE_LOCK:
-            _SYNCED.extend(pending)
     if not _ACTIVE_TRACKERS and (_CALLBACKS or any(hasattr(l, "on_step") for l in listeners())):
         # A sync outside track(): one record per sync.
-        if _FREE_CLOCK is None:
-            _FREE_CLOCK = _Clock()  # pragma: no cover (armed in _ensure_hook)
+        _FREE_CLOCK = _FREE_CLOCK or _Clock()
         _emit(_FREE_CLOCK.tick(take_scalars()))
     if _needs_hook():
         _ensure_hook()
