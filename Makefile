@@ -17,12 +17,13 @@ export TOKENIZERS_PARALLELISM ?= false
 # nbval/nbconvert kernels have no widget front end: dashboards print text there.
 export TPUKIT_DASHBOARD ?= text
 
-.PHONY: lab test test-unit test-notebooks test-e2e notebooks bench doctor install clean help
+.PHONY: lab test test-unit test-notebooks test-e2e screenshots notebooks bench doctor install clean help
 
 help:
 	@echo "make lab    - build .venv if needed and start JupyterLab on notebooks/"
 	@echo "make test   - build .venv if needed, run unit tests and the notebooks (nbval)"
 	@echo "make test-e2e - JupyterLab + headless Chromium end-to-end test of the dashboard and magics"
+	@echo "make screenshots - run the end-to-end test and refresh the README's images in docs/images/"
 	@echo "make notebooks - re-execute the notebooks in place (refreshes their outputs)"
 	@echo "make bench  - run the benchmarks in bench/ (prints tables, writes bench/results/)"
 	@echo "make doctor - print the device/runtime report"
@@ -61,6 +62,10 @@ test-e2e: $(STAMP)
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 	@$(VPY) -c 'import playwright' 2>/dev/null || $(VPY) -m pip install --progress-bar off -q playwright
 	$(VPY) -m pytest tests/e2e -q -p no:cacheprovider
+
+# The end-to-end test writes its screenshots to build/e2e/; this refreshes docs/images/ on purpose.
+screenshots:
+	TPUKIT_SCREENSHOTS=docs/images $(MAKE) --no-print-directory test-e2e
 
 test-notebooks: $(STAMP)
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \

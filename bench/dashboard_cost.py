@@ -97,11 +97,10 @@ def main() -> dict:
         html_only.append(time.perf_counter() - a)
         step += 1
         dash.on_step(record(step, t0))
-        dash._last_render = float("-inf")
         a = time.perf_counter()
-        dash._tick()  # hands the plot to the plot thread, which is not timed here
+        dash.tick(force=True)  # hands the plot to the plot thread, which is not timed here
         tick.append(time.perf_counter() - a)
-        while dash._png_version != dash.state.version:  # let the plot thread finish first
+        while dash.plot_version != dash.state.version:  # let the plot thread finish first
             time.sleep(0.001)
     dash.close()
 
@@ -136,7 +135,7 @@ def main() -> dict:
                     spent.append(time.thread_time() - a)
             return run
 
-        live._tick, live._draw_plot = timed(live._tick), timed(live._draw_plot)
+        live.tick, live.draw_plot = timed(live.tick), timed(live.draw_plot)
         before = live.renders
         with_dash.append(loop_seconds(live, HISTORY + 1))
         renders += live.renders - before

@@ -14,6 +14,7 @@ starts sleeping replicas and waits to be killed (the test kills it).
 """
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -26,8 +27,9 @@ import traceback
 import warnings
 
 import tpukit
-from tpukit import _xla
-from tpukit import parallel as par
+from tpukit import _xla, runtime
+
+launcher = importlib.import_module("tpukit.launch")  # the module (tpukit.launch is the function)
 
 PIDDIR = sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp(prefix="tpukit-par-")
 os.makedirs(PIDDIR, exist_ok=True)
@@ -89,8 +91,8 @@ def child_pids():
 
 def ret_fn(index, base):
     write_pid("ret", index)
-    write_pid("rank", index, par.rank())
-    return {"index": index, "value": base + index, "pid": os.getpid(), "rank": par.rank()}
+    write_pid("rank", index, runtime.rank())
+    return {"index": index, "value": base + index, "pid": os.getpid(), "rank": runtime.rank()}
 
 
 def spawn_fn(index, base):
@@ -148,7 +150,7 @@ def xla_fn(index, scale):
     import torch
 
     t = torch.ones(4, device=_xla.device()) * scale
-    return {"index": index, "sum": (t * 2).sum().item(), "rank": par.rank(), "world_size": _xla.world_size(),
+    return {"index": index, "sum": (t * 2).sum().item(), "rank": runtime.rank(), "world_size": _xla.world_size(),
             "device": str(t.device), "pid": os.getpid()}
 
 
@@ -183,7 +185,7 @@ def run_all():
     def return_fork():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            value = par.launch(ret_fn, 10, nprocs=3, start_method="fork")
+            value = launcher.launch(ret_fn, 10, nprocs=3, start_method="fork")
         pids = read_pids("ret")
         return {"value": value, "pids": pids, "ranks": read_pids("rank"), "alive": [alive(p) for p in pids.values()], "parent": os.getpid(),
                 "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
@@ -191,10 +193,10 @@ def run_all():
 
     @scenario
     def return_spawn():
-        plan = par._plan(2, False, None)
+        plan = launcher._plan(2, False, None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            value = par.launch(spawn_fn, 21, nprocs=2)
+            value = launcher.launch(spawn_fn, 21, nprocs=2)
         return {"value": value, "start_method": plan.start_method, "parent": os.getpid(), "children": child_pids()}
 
     @scenario
@@ -202,7 +204,7 @@ def run_all():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                par.launch(err_fn, nprocs=3, start_method="fork")
+                launcher.launch(err_fn, nprocs=3, start_method="fork")
                 message = None
             except tpukit.LaunchError as exc:
                 message = str(exc)
@@ -214,7 +216,7 @@ def run_all():
         cap_out, cap_err = io.StringIO(), io.StringIO()
         with warnings.catch_warnings(), contextlib.redirect_stdout(cap_out), contextlib.redirect_stderr(cap_err):
             warnings.simplefilter("ignore")
-            value = par.launch(out_fn, nprocs=2, start_method="fork")
+            value = launcher.launch(out_fn, nprocs=2, start_method="fork")
         return {"value": value, "stdout": cap_out.getvalue(), "stderr": cap_err.getvalue()}
 
     @scenario
@@ -224,7 +226,7 @@ def run_all():
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 try:
-                    par.launch(fn, nprocs=2, start_method="fork")
+                    launcher.launch(fn, nprocs=2, start_method="fork")
                     res[name] = None
                 except tpukit.LaunchError as exc:
                     res[name] = str(exc)
@@ -244,7 +246,7 @@ def run_all():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                par.launch(sleep_fn, "int", True, nprocs=2, start_method="fork")
+                launcher.launch(sleep_fn, "int", True, nprocs=2, start_method="fork")
             except KeyboardInterrupt:
                 raised = "KeyboardInterrupt"
         pids = read_pids("int")
@@ -254,7 +256,7 @@ def run_all():
     @scenario
     def spawn_unpicklable():
         try:
-            par.launch(lambda i: i, start_method="spawn")
+            launcher.launch(lambda i: i, start_method="spawn")
             message = None
         except tpukit.LaunchError as exc:
             message = str(exc)
@@ -265,16 +267,16 @@ def run_all():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
-                par.launch(bad_result_fn, nprocs=2, start_method="fork")
+                launcher.launch(bad_result_fn, nprocs=2, start_method="fork")
                 return {"message": None}
             except tpukit.LaunchError as exc:
                 return {"message": str(exc)}
 
     @scenario
     def xla_single():
-        first = par.launch(xla_fn, 3.0)  # nprocs=None on CPU: one real XLA replica in a child
-        second = par.launch(xla_fn, 0.5, start_method="fork")
-        return {"first": first, "second": second, "parent": os.getpid(), "plan": par._plan(None, False, None).mode,
+        first = launcher.launch(xla_fn, 3.0)  # nprocs=None on CPU: one real XLA replica in a child
+        second = launcher.launch(xla_fn, 0.5, start_method="fork")
+        return {"first": first, "second": second, "parent": os.getpid(), "plan": launcher._plan(None, False, None).mode,
                 "parent_runtime_started": _xla.runtime_initialized(), "children": child_pids()}
 
     @scenario
@@ -282,13 +284,13 @@ def run_all():
         # Mocked: only the device kind (there is no TPU here). The child then runs
         # exactly what it runs on a TPU host: torch_xla's per-process initializer
         # and one thread per addressable device (1 XLA:CPU device -> 1 replica).
-        real = par._device_kind
-        par._device_kind = lambda: "TPU"
+        real = launcher._device_kind
+        launcher._device_kind = lambda: "TPU"
         try:
-            plan = par._plan(None, False, "fork")
-            value = par.launch(allreduce_fn, start_method="fork")
+            plan = launcher._plan(None, False, "fork")
+            value = launcher.launch(allreduce_fn, start_method="fork")
         finally:
-            par._device_kind = real
+            launcher._device_kind = real
         return {"plan": [plan.mode, plan.nprocs], "value": value, "parent": os.getpid()}
 
     @scenario
@@ -296,7 +298,7 @@ def run_all():
         dev = _xla.device()  # touches the device without tpukit.setup(): the runtime starts here
         before = child_pids()
         try:
-            par.launch(refused_fn, nprocs=2, start_method="fork")
+            launcher.launch(refused_fn, nprocs=2, start_method="fork")
             message = None
         except tpukit.LaunchError as exc:
             message = str(exc)
@@ -308,14 +310,14 @@ def orphan():
     """Start sleeping replicas and block; the test SIGKILLs this process."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        par.launch(sleep_fn, "orphan", False, nprocs=2, start_method="fork")
+        launcher.launch(sleep_fn, "orphan", False, nprocs=2, start_method="fork")
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["orphan"]:
         orphan()
     else:
-        par._TERMINATE_GRACE = 1.0  # the SIGTERM-ignoring replica is killed after 1 s
+        launcher._TERMINATE_GRACE = 1.0  # the SIGTERM-ignoring replica is killed after 1 s
         run_all()
         sys.stdout.flush()
         print(json.dumps(out))

@@ -12,8 +12,7 @@ import time
 import traceback
 
 import tpukit
-from tpukit import _xla
-from tpukit import parallel as par
+from tpukit import _xla, spmd
 
 T0 = time.time()
 rt = tpukit.setup(device="cpu", cpu_devices=4, spmd=True)
@@ -58,7 +57,7 @@ def eager_reference():
 
 
 REF_LOSSES, REF_STATE = eager_reference()
-MESH = par.mesh()
+MESH = spmd.mesh()
 
 
 def max_diff(state):
@@ -71,9 +70,9 @@ def _():
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, specs = [], {}
     for i in range(STEPS):
-        batch = par.shard_batch({"x": X[i], "y": Y[i]}, MESH)
+        batch = spmd.shard_batch({"x": X[i], "y": Y[i]}, MESH)
         if i == 0:
-            specs = {k: par.sharding_spec(v) for k, v in batch.items()}
+            specs = {k: spmd.sharding_spec(v) for k, v in batch.items()}
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
         loss.backward()
@@ -87,34 +86,34 @@ def _():
 @section("shard_batch")
 def _():
     nested = {"x": X[0], "pair": (X[0][:, :4], Y[0]), "list": [Y[0]], "scalar": torch.tensor(2.5), "name": "ids"}
-    b = par.shard_batch(nested, MESH)
+    b = spmd.shard_batch(nested, MESH)
     on_dev = torch.randn(8, 3).to(_xla.device())
-    same = par.shard_batch(on_dev, MESH)
+    same = spmd.shard_batch(on_dev, MESH)
     plain = torch.randn(8, 3).to(_xla.device())
-    m2 = par.mesh(("data", "model"), (2, 2))
-    two_d = par.shard_batch(X[0], m2)
+    m2 = spmd.mesh(("data", "model"), (2, 2))
+    two_d = spmd.shard_batch(X[0], m2)
     return {
-        "x": par.sharding_spec(b["x"]),
-        "pair0": par.sharding_spec(b["pair"][0]),
+        "x": spmd.sharding_spec(b["x"]),
+        "pair0": spmd.sharding_spec(b["pair"][0]),
         "pair_is_tuple": isinstance(b["pair"], tuple),
-        "y": par.sharding_spec(b["pair"][1]),
-        "list_y": par.sharding_spec(b["list"][0]),
+        "y": spmd.sharding_spec(b["pair"][1]),
+        "list_y": spmd.sharding_spec(b["list"][0]),
         "scalar_device": str(b["scalar"].device),
         "scalar_value": b["scalar"].item(),
         "name": b["name"],
         "x_roundtrip_equal": bool(torch.equal(b["x"].cpu(), X[0])),
         "in_place_same_object": same is on_dev,
-        "in_place_spec": par.sharding_spec(on_dev),
-        "unsharded_spec": par.sharding_spec(plain),
+        "in_place_spec": spmd.sharding_spec(on_dev),
+        "unsharded_spec": spmd.sharding_spec(plain),
         "type_is_plain_tensor": type(b["x"]) is torch.Tensor,
-        "two_d_mesh_spec": par.sharding_spec(two_d),
+        "two_d_mesh_spec": spmd.sharding_spec(two_d),
     }
 
 
 @section("indivisible")
 def _():
     try:
-        par.shard_batch({"x": torch.randn(30, DIM)}, MESH)
+        spmd.shard_batch({"x": torch.randn(30, DIM)}, MESH)
     except Exception as exc:
         return {"type": type(exc).__name__, "is_tpukit": isinstance(exc, tpukit.TpukitError),
                 "is_value_error": isinstance(exc, ValueError), "message": str(exc)}
@@ -123,17 +122,17 @@ def _():
 
 @section("mesh")
 def _():
-    res = {"default": _xla.mesh_axes(MESH), "two_axes": _xla.mesh_axes(par.mesh(("data", "model"), (2, 2))),
-           "inferred": _xla.mesh_axes(par.mesh(("data", "model"), (-1, 2)))}
+    res = {"default": _xla.mesh_axes(MESH), "two_axes": _xla.mesh_axes(spmd.mesh(("data", "model"), (2, 2))),
+           "inferred": _xla.mesh_axes(spmd.mesh(("data", "model"), (-1, 2)))}
     for key, kwargs in {"bad_shape": {"shape": (3,)}, "bad_len": {"axes": ("data",), "shape": (2, 2)},
                         "dup_axes": {"axes": ("data", "data")}}.items():
         try:
-            par.mesh(**kwargs)
+            spmd.mesh(**kwargs)
             res[key] = None
         except ValueError as exc:
             res[key] = str(exc)
     try:
-        par.shard_batch(X[0], MESH, axis="model")
+        spmd.shard_batch(X[0], MESH, axis="model")
         res["missing_axis"] = None
     except ValueError as exc:
         res["missing_axis"] = str(exc)
@@ -145,48 +144,48 @@ def _():
     ds = torch.utils.data.TensorDataset(X.reshape(-1, DIM), Y.reshape(-1))
     loader = torch.utils.data.DataLoader(ds, batch_size=BATCH, shuffle=False)
     specs, equal, n = set(), True, 0
-    for i, (xb, yb) in enumerate(par.device_loader(loader, MESH)):
-        specs.add((par.sharding_spec(xb), par.sharding_spec(yb)))
+    for i, (xb, yb) in enumerate(spmd.device_loader(loader, MESH)):
+        specs.add((spmd.sharding_spec(xb), spmd.sharding_spec(yb)))
         equal = equal and torch.equal(xb.cpu(), X[i]) and torch.equal(yb.cpu(), Y[i])
         n += 1
 
     dict_loader = [{"input_ids": X[i], "labels": Y[i]} for i in range(2)]
-    dict_specs = [{k: par.sharding_spec(v) for k, v in b.items()} for b in par.device_loader(dict_loader, MESH)]
+    dict_specs = [{k: spmd.sharding_spec(v) for k, v in b.items()} for b in spmd.device_loader(dict_loader, MESH)]
 
-    plain = [par.sharding_spec(xb) for xb, _ in par.device_loader(loader)][:1]
+    plain = [spmd.sharding_spec(xb) for xb, _ in spmd.device_loader(loader)][:1]
 
     ragged = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(torch.randn(330, DIM)), batch_size=BATCH, drop_last=False)
     good, err = 0, None
     try:
-        for (xb,) in par.device_loader(ragged, MESH):
+        for (xb,) in spmd.device_loader(ragged, MESH):
             good += 1
     except Exception as exc:
         err = {"type": type(exc).__name__, "message": str(exc)}
-    dropped = sum(1 for _ in par.device_loader(
+    dropped = sum(1 for _ in spmd.device_loader(
         torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(330, DIM)), batch_size=BATCH,
                                     drop_last=True), MESH))
     return {"specs": sorted(specs), "values_equal": bool(equal), "batches": n, "dict_specs": dict_specs,
-            "no_mesh_specs": plain, "no_mesh_device": str(next(iter(par.device_loader(loader)))[0].device),
+            "no_mesh_specs": plain, "no_mesh_device": str(next(iter(spmd.device_loader(loader)))[0].device),
             "ragged_good_batches": good, "ragged_error": err, "drop_last_batches": dropped}
 
 
 @section("fsdp")
 def _():
     model = make_model()
-    wrapped = par.fsdp(model, MESH)
+    wrapped = spmd.fsdp(model, MESH)
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
-    param_specs = {n: par.sharding_spec(p) for n, p in model.named_parameters()}
+    param_specs = {n: spmd.sharding_spec(p) for n, p in model.named_parameters()}
     losses = []
     for i in range(STEPS):
-        batch = par.shard_batch((X[i], Y[i]), MESH)
+        batch = spmd.shard_batch((X[i], Y[i]), MESH)
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(wrapped(batch[0]), batch[1])
         loss.backward()
         opt.step()
         _xla.sync()
         losses.append(loss.item())
-    after_specs = {n: par.sharding_spec(p) for n, p in model.named_parameters()}
+    after_specs = {n: spmd.sharding_spec(p) for n, p in model.named_parameters()}
     # What a checkpoint does: gather to CPU, save, load into a fresh CPU model.
     state = {k: v.cpu() for k, v in model.state_dict().items()}
     buf = io.BytesIO()
@@ -210,7 +209,7 @@ def _():
 @section("launch_refused_under_spmd")
 def _():
     try:
-        par.launch(lambda i: i, debug_single_process=True)
+        tpukit.launch(lambda i: i, debug_single_process=True)
     except tpukit.LaunchError as exc:
         return str(exc)
     return None

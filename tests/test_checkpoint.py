@@ -32,6 +32,7 @@ import torch_xla
 
 import tpukit
 from tpukit import checkpoint as ck
+from tpukit.checkpoint import manager as ck_manager
 from tpukit.errors import CheckpointError, TpukitWarning
 
 TESTS = Path(__file__).parent
@@ -470,7 +471,7 @@ def test_resume_matches_the_uninterrupted_run_on_xla(tmp_path, dev):
 
 def test_async_save_copies_synchronously_and_writes_one_at_a_time(tmp_path, monkeypatch, dev):
     active, peak, threads = [0], [0], set()
-    real_commit = ck._commit
+    real_commit = ck_manager.commit
     gate = threading.Event()
 
     def slow_commit(*args, **kwargs):
@@ -484,7 +485,7 @@ def test_async_save_copies_synchronously_and_writes_one_at_a_time(tmp_path, monk
         finally:
             active[0] -= 1
 
-    monkeypatch.setattr(ck, "_commit", slow_commit)
+    monkeypatch.setattr(ck_manager, "commit", slow_commit)
     mgr = ck.CheckpointManager(tmp_path, keep=None, async_save=True)
     w = torch.zeros(4)
     x = torch.zeros(4, device=dev)

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 
 import tpukit
-from tpukit import compiles, steps
+from tpukit import compiles, events
 from tpukit.compiles import CompileEvent, Frame
 from tpukit.errors import TpukitWarning
 from tpukit.runtime import Runtime
@@ -196,11 +196,11 @@ def test_header_shows_spmd_devices_and_problems():
 def test_widget_values_after_synthetic_events(rt, opened):
     d = Dashboard(mode="widgets", show=False)
     opened.append(d)
-    assert d.mode == "widgets" and d.running and d in steps.listeners()
+    assert d.mode == "widgets" and d.running and d in events.listeners()
     recs, recompile = three_steps()
-    steps.publish("on_compile", recompile)  # the core's own listener path
+    events.call("on_compile", recompile)  # the core's own listener path
     for r in recs:
-        steps.publish("on_step", r)
+        events.call("on_step", r)
     d.refresh()
     values = d.values()
     assert counter(values["counters"], "steps") == "3"
@@ -242,7 +242,7 @@ def test_refreshes_are_throttled_to_two_per_second(rt, opened):
     n = 0
     while time.monotonic() - t0 < 1.0:
         n += 1
-        steps.publish("on_step", record(n, loss=1.0 / n))
+        events.call("on_step", record(n, loss=1.0 / n))
         time.sleep(0.004)
     t1 = time.monotonic()
     assert n > 100
@@ -282,10 +282,10 @@ def test_listener_failure_disables_once_without_core_warning(rt, opened, monkeyp
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for i in range(1, 4):
-            steps.publish("on_step", record(i))
+            events.call("on_step", record(i))
     mine = [w for w in caught if issubclass(w.category, TpukitWarning)]
     assert len(mine) == 1 and "dashboard stopped after an error in on_step" in str(mine[0].message)
-    assert d.disabled and d not in steps.listeners()
+    assert d.disabled and d not in events.listeners()
     assert wait_for(lambda: not d.running)
 
 
@@ -317,7 +317,7 @@ def test_render_failure_in_thread_is_isolated_from_a_real_loop(rt, monkeypatch):
     mine = [w for w in caught if issubclass(w.category, TpukitWarning)]
     assert len(mine) == 1, [str(w.message) for w in mine]
     assert "renderer exploded" in str(mine[0].message) and "training loop is not affected" in str(mine[0].message)
-    assert d.disabled and not d.running and d not in steps.listeners()
+    assert d.disabled and not d.running and d not in events.listeners()
     assert "tpukit-dashboard" in calls and "dashboard stopped" in d.values()["now"]
 
 
@@ -325,14 +325,14 @@ def test_close_stops_threads_and_two_dashboards_coexist(rt):
     a = Dashboard(mode="widgets", show=False, plot=False)
     b = Dashboard(mode="text", show=False)
     assert a.running and b.running and len(dashboard_threads()) >= 2
-    steps.publish("on_step", record(1))
+    events.call("on_step", record(1))
     assert a.view().steps == 1 and b.view().steps == 1
     a.close()
     b.close()
     b.close()  # idempotent
     assert not a.running and not b.running and not dashboard_threads()
-    assert a not in steps.listeners() and b not in steps.listeners()
-    steps.publish("on_step", record(2))
+    assert a not in events.listeners() and b not in events.listeners()
+    events.call("on_step", record(2))
     assert a.view().steps == 1 and b.view().steps == 1
 
 
@@ -340,17 +340,17 @@ def test_text_mode_prints_throttled_summary_end_line_and_report(rt, capsys):
     d = Dashboard(mode="text", text_every=0.3)
     assert "text mode: a summary every 0.3 s" in capsys.readouterr().out
     tracker = SimpleNamespace(dashboard=d)
-    steps.publish("on_track_start", tracker)
+    events.call("on_track_start", tracker)
     recs, _ = three_steps()
-    steps.publish("on_step", recs[0])
+    events.call("on_step", recs[0])
     assert capsys.readouterr().out == ""  # less than text_every since the dashboard opened
     time.sleep(0.35)
-    steps.publish("on_step", recs[1])
-    steps.publish("on_step", recs[2])  # right after a print: stays quiet
+    events.call("on_step", recs[1])
+    events.call("on_step", recs[2])  # right after a print: stays quiet
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 1 and out[0].startswith("tpukit: step 2 · 1 compile") and "loss 0.8" in out[0]
-    steps.publish("on_track_end", tracker)  # the loop that owns the dashboard ended: close + last line
-    assert not d.running and d not in steps.listeners()
+    events.call("on_track_end", tracker)  # the loop that owns the dashboard ended: close + last line
+    assert not d.running and d not in events.listeners()
     end = capsys.readouterr().out
     assert end.startswith("tpukit: done · step 3 · 2 compiles · 1 recompilation")
     d.report()  # no front end: plain text, the recompilation with its cell and line
@@ -377,7 +377,7 @@ def test_real_loop_widgets_then_static_report(rt, monkeypatch):
         opt.zero_grad()
         tpukit.log(loss=loss)
     d = loop.dashboard
-    assert d.mode == "widgets" and not d.running and d not in steps.listeners()
+    assert d.mode == "widgets" and not d.running and d not in events.listeners()
     box, report, image = shown  # the live widget at open, then the report at the end
     assert box is d._live.box
     v = d.view()

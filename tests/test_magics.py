@@ -15,7 +15,7 @@ import types
 import pytest
 
 import tpukit
-from tpukit import magics
+from tpukit import events, magics
 
 EXT = "tpukit"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -332,27 +332,24 @@ def test_loaded_after_torch_xla_says_causes_are_unavailable(sessions):
 # ----------------------------------------------------------------- %xla_dashboard
 
 def test_xla_dashboard_displays_what_tpukit_dashboard_returns(ext, capsys, monkeypatch):
-    from tpukit import steps
-
     class Board:
         def __repr__(self):
             return "<dashboard stand-in>"
 
-    monkeypatch.setattr(steps, "dashboard", lambda **options: Board())
+    monkeypatch.setattr(events, "open_dashboard", lambda **options: Board())
     assert run(ext, "%xla_dashboard").error_in_exec is None
     assert "<dashboard stand-in>" in capsys.readouterr().out
 
 
 def test_xla_dashboard_opens_the_live_dashboard(ext, capsys):
-    widgets = pytest.importorskip("tpukit.widgets")
-    if not hasattr(widgets, "Dashboard"):
-        pytest.skip("tpukit.widgets.Dashboard is not written yet")
-    before = tpukit.steps.listeners()
+    from tpukit import widgets  # noqa: F401  (importing it registers the dashboard with events)
+
+    before = events.listeners()
     try:
         result = run(ext, "%xla_dashboard")
         assert result.error_in_exec is None, result.error_in_exec
         assert capsys.readouterr().out.strip()  # the text front end (TPUKIT_DASHBOARD=text) shows something
     finally:
-        for lst in tpukit.steps.listeners():
+        for lst in events.listeners():
             if lst not in before:
                 getattr(lst, "close", lambda: tpukit.remove_listener(lst))()

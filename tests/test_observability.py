@@ -3,13 +3,12 @@
 import inspect
 import threading
 import time
-import warnings
 
 import pytest
 import torch
 
 import tpukit
-from tpukit import _xla, compiles, metrics, steps
+from tpukit import _xla, compiles, events, metrics
 from conftest import run_python
 
 
@@ -229,7 +228,7 @@ def test_on_step_every_n_and_failing_listener_is_detached(rt):
         remove()
         tpukit.remove_listener(broken)
     assert seen == [2, 4, 6]
-    assert Broken.calls == 1 and broken not in steps.listeners()
+    assert Broken.calls == 1 and broken not in events.listeners()
     assert len(tracker.history) == 6  # the loop went on
 
 
@@ -317,3 +316,25 @@ def test_library_only_stack_still_names_a_place():
               Frame("mask", "/venv/lib/python3.11/site-packages/transformers/masking_utils.py", 369))
     ev = CompileEvent(0, 0.0, 1.0, "user code trying to access tensor value", "ab" * 16, 1, 1, frames)
     assert ev.user_frames == () and ev.user_frame.line == 369 and "masking_utils.py:369" in ev.where
+
+
+def test_events_registry_dispatch_reset_and_errors():
+    """One registry: listeners need a hook, call() reaches only those with it, _reset() empties it."""
+    class OnlyCompile:
+        def __init__(self):
+            self.seen = []
+
+        def on_compile(self, ev):
+            self.seen.append(ev)
+
+    lst = events.add_listener(OnlyCompile())
+    assert events.add_listener(lst) is lst and events.listeners().count(lst) == 1  # added once
+    events.call("on_step", "record")  # no on_step: not called, no error
+    events.call("on_compile", "event")
+    assert lst.seen == ["event"] and events.has("on_compile") and not events.has("on_step")
+    with pytest.raises(TypeError, match="none of the listener methods"):
+        events.add_listener(object())
+    with pytest.raises(ValueError, match="unknown listener hook"):
+        events.call("on_nothing")
+    events._reset()
+    assert events.listeners() == []

@@ -1,4 +1,4 @@
-"""Tests of tpukit.parallel (issue 7): SPMD data parallel and the notebook-safe launcher.
+"""Tests of tpukit.spmd and tpukit.launch (issue 7): SPMD data parallel and the notebook-safe launcher.
 
 Everything runs on real torch_xla on XLA:CPU. The runtime's device count and
 SPMD mode are fixed when it starts, so the SPMD checks run once in a subprocess
@@ -16,6 +16,7 @@ TPU code path of the launcher; it is named where it is used.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -27,8 +28,10 @@ import types
 import pytest
 
 import tpukit
-from tpukit import _xla
-from tpukit import parallel as par
+from tpukit import _ipython, _xla, runtime
+from tpukit import spmd as tk_spmd  # "spmd" is the fixture below
+
+launcher = importlib.import_module("tpukit.launch")  # the module (tpukit.launch is the function)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -37,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _env(**extra: str) -> dict:
     """This environment without runtime settings that would leak into a fresh XLA process."""
-    drop = ("PT_XLA_DEBUG", "CPU_NUM_DEVICES", "XLA_USE_SPMD", "PJRT_LOCAL_PROCESS", par.RANK_ENV)
+    drop = ("PT_XLA_DEBUG", "CPU_NUM_DEVICES", "XLA_USE_SPMD", "PJRT_LOCAL_PROCESS", runtime.RANK_ENV)
     env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
     env["PJRT_DEVICE"] = "CPU"
     env.update(extra)
@@ -194,13 +197,13 @@ def test_launch_refused_under_spmd(spmd):
 def test_mesh_needs_spmd_after_runtime_started(rt):
     assert tpukit.runtime.current() is not None and not tpukit.runtime.current().spmd
     with pytest.raises(tpukit.RuntimeStateError) as info:
-        par.mesh()
+        tk_spmd.mesh()
     msg = str(info.value)
     assert "already started without it" in msg and "Restart the kernel" in msg and "tpukit.setup(spmd=True)" in msg
 
 
 def test_mesh_needs_spmd_before_runtime_start():
-    code = ("import json, sys, tpukit.parallel as p\n"
+    code = ("import json, sys, tpukit.spmd as p\n"
             "try:\n    p.mesh()\nexcept Exception as e:\n"
             "    print(json.dumps([type(e).__name__, str(e), 'torch_xla' in sys.modules]))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=60)
@@ -213,9 +216,9 @@ def test_mesh_needs_spmd_before_runtime_start():
 def test_sharding_spec_needs_an_xla_tensor(rt):
     import torch
 
-    with pytest.raises(par.ShardingError, match="needs a tensor on the XLA device, got a cpu tensor"):
-        par.sharding_spec(torch.zeros(2))
-    assert par.sharding_spec(torch.zeros(2, device=_xla.device())) == ""
+    with pytest.raises(tpukit.ShardingError, match="needs a tensor on the XLA device, got a cpu tensor"):
+        tk_spmd.sharding_spec(torch.zeros(2))
+    assert tk_spmd.sharding_spec(torch.zeros(2, device=_xla.device())) == ""
 
 
 # --------------------------------------------------------------------------- launcher in this process
@@ -238,7 +241,7 @@ def test_launch_refuses_when_runtime_running(rt, tmp_path):
     assert _xla.runtime_initialized()
     before = _child_pids()
     with pytest.raises(tpukit.LaunchError) as info:
-        par.launch(_touch, str(tmp_path / "ran"), nprocs=2, start_method="fork")
+        launcher.launch(_touch, str(tmp_path / "ran"), nprocs=2, start_method="fork")
     msg = str(info.value)
     assert "already running in this kernel" in msg and "tpukit.setup() started it" in msg
     assert "Restart the kernel" in msg and "before anything touches the device" in msg
@@ -246,45 +249,45 @@ def test_launch_refuses_when_runtime_running(rt, tmp_path):
 
 
 def test_debug_single_process_runs_here(rt):
-    assert par.launch(_debug_replica, 1.5, debug_single_process=True) == (0, os.getpid(), 3.0)
+    assert launcher.launch(_debug_replica, 1.5, debug_single_process=True) == (0, os.getpid(), 3.0)
     with pytest.raises(ZeroDivisionError):  # not wrapped: debuggers see the original exception
-        par.launch(_divide_by_zero, debug_single_process=True)
+        launcher.launch(_divide_by_zero, debug_single_process=True)
 
 
 def test_rank_outside_launch(rt):
-    assert par.rank() == 0
+    assert runtime.rank() == 0
 
 
 def test_plan_decisions(monkeypatch):
-    assert par._plan(None, False, "fork") == par._Plan("single", 1, "fork", "CPU")
-    assert par._plan(4, False, "spawn") == par._Plan("independent", 4, "spawn", "CPU")
-    assert par._plan(3, True, None).mode == "in-process"
+    assert launcher._plan(None, False, "fork") == launcher._Plan("single", 1, "fork", "CPU")
+    assert launcher._plan(4, False, "spawn") == launcher._Plan("independent", 4, "spawn", "CPU")
+    assert launcher._plan(3, True, None).mode == "in-process"
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="nprocs="):
-            par._plan(bad, False, None)
+            launcher._plan(bad, False, None)
     with pytest.raises(ValueError, match="start_method="):
-        par._plan(None, False, "thread")
+        launcher._plan(None, False, "thread")
     # Mocked: a TPU host with 4 chips (neither exists here).
-    monkeypatch.setattr(par, "_device_kind", lambda: "TPU")
+    monkeypatch.setattr(launcher, "_device_kind", lambda: "TPU")
     monkeypatch.setattr(_xla, "local_process_count", lambda: 4)
-    assert par._plan(None, False, "fork") == par._Plan("replicated", 4, "fork", "TPU")
-    assert par._plan(1, False, "fork").mode == "single"
+    assert launcher._plan(None, False, "fork") == launcher._Plan("replicated", 4, "fork", "TPU")
+    assert launcher._plan(1, False, "fork").mode == "single"
     with pytest.raises(ValueError, match="nprocs=2 is not supported on TPU"):
-        par._plan(2, False, "fork")
+        launcher._plan(2, False, "fork")
 
 
 def test_start_method_follows_the_context(monkeypatch):
     # pytest's __main__ is a file: a script, so spawn.
-    assert getattr(sys.modules["__main__"], "__file__", None) and par._default_start_method() == "spawn"
+    assert getattr(sys.modules["__main__"], "__file__", None) and launcher._default_start_method() == "spawn"
     shell = types.SimpleNamespace()  # a terminal IPython shell: no kernel, still a script here
     monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
-    assert par._default_start_method() == "spawn"
+    assert launcher._default_start_method() == "spawn"
     shell.kernel = object()  # a Jupyter kernel (the real one is tested below)
-    assert par._in_ipython_kernel() and par._default_start_method() == "fork"
+    assert _ipython.in_kernel() and launcher._default_start_method() == "fork"
     monkeypatch.setattr(sys.modules["__main__"], "__file__", None)  # a REPL / python -c
     monkeypatch.delitem(sys.modules, "ipykernel")
-    assert par._default_start_method() == "fork"
+    assert launcher._default_start_method() == "fork"
 
 
 # --------------------------------------------------------------------------- launcher in a fresh process
@@ -313,7 +316,7 @@ def test_launch_reraises_replica_exception_with_traceback(launched):
     assert msg.startswith("replica rank 1 failed with ValueError: boom from rank 1")
     assert "Traceback (most recent call last)" in msg
     assert "in err_fn" in msg and "in _inner_failure" in msg  # the replica's own frames
-    assert "parallel.py" not in msg and "_xla.py" not in msg  # launcher plumbing trimmed
+    assert os.path.join("tpukit", "launch.py") not in msg and "_xla.py" not in msg  # launcher plumbing trimmed
 
 
 def test_failure_leaves_no_process_behind(launched):
@@ -422,12 +425,12 @@ def test_launch_in_a_real_notebook_kernel(tmp_path):
             return reply["content"], streams
 
         # fn is defined in a cell: only a forked child can run it.
-        reply, streams = run("import logging, tpukit.parallel as par\n"
+        reply, streams = run("import importlib, logging\nlauncher = importlib.import_module('tpukit.launch')\n"
                              "logging.basicConfig()  # a handler bound to the kernel's stderr stream\n"
                              "def work(i, x):\n    print(f'hello {i}')\n"
                              "    logging.getLogger('user').warning('logged in %d', i)\n    return x * 2\n"
-                             "result = par.launch(work, 21, nprocs=2)\n"
-                             "print('RESULT', result, par._default_start_method())")
+                             "result = launcher.launch(work, 21, nprocs=2)\n"
+                             "print('RESULT', result, launcher._default_start_method())")
         assert reply["status"] == "ok", reply
         out = "".join(s["text"] for s in streams if s["name"] == "stdout")
         err = "".join(s["text"] for s in streams if s["name"] == "stderr")
@@ -437,7 +440,7 @@ def test_launch_in_a_real_notebook_kernel(tmp_path):
         assert "TpukitWarning" in err  # nprocs=2 on XLA:CPU: independent replicas, said in the cell
 
         reply, _ = run("def bad(i):\n    if i == 1:\n        raise KeyError('nope')\n    import time; time.sleep(600)\n"
-                       "par.launch(bad, nprocs=2)")
+                       "launcher.launch(bad, nprocs=2)")
         assert reply["status"] == "error" and reply["ename"] == "LaunchError"
         assert "replica rank 1 failed with KeyError: 'nope'" in reply["evalue"] and "in bad" in reply["evalue"]
 
@@ -450,7 +453,7 @@ def test_launch_in_a_real_notebook_kernel(tmp_path):
                             "    open(tmp, 'w').write(str(os.getpid()))\n"
                             f"    os.replace(tmp, os.path.join({str(piddir)!r}, str(i)))  # never seen half-written\n"
                             "    time.sleep(600)\n"
-                            "par.launch(sleeper, nprocs=2)")
+                            "launcher.launch(sleeper, nprocs=2)")
         deadline = time.time() + 60
         while len(list(piddir.glob("[0-9]"))) < 2 and time.time() < deadline:
             time.sleep(0.05)
@@ -478,7 +481,7 @@ def test_rank0_records_reach_the_launching_process():
 
     code = (
         "import json, torch, tpukit\n"
-        "from tpukit import parallel as par\n"
+        "from tpukit.launch import launch\n"
         "got = []\n"
         "class L:\n"
         "    def on_step(self, r): got.append(['step', r.step, r.scalars.get('v')])\n"
@@ -491,7 +494,7 @@ def test_rank0_records_reach_the_launching_process():
         "        x = x + 1\n"
         "        tpukit.log(v=x.sum())\n"
         "    return 7\n"
-        "value = par.launch(work, nprocs=1, start_method='fork')\n"
+        "value = launch(work, nprocs=1, start_method='fork')\n"
         "print('RESULT', json.dumps([value, got]))\n")
     out = run_python(code, env={"PJRT_DEVICE": "CPU"})
     assert out.returncode == 0, out.stderr[-3000:]

@@ -14,13 +14,14 @@ import pytest
 
 import tpukit
 from tpukit import environment, runtime
-from conftest import run_python
+from conftest import MACHINE_ENV_PREFIXES, NO_TPU_MACHINE, run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_setup_report_fields(rt):
-    assert rt.platform == "local"
+    assert rt.platform == environment.detect_platform()  # a TPU VM says "tpu-vm" here; see the next test
+    assert rt.tpu_signals == environment.tpu_signals()
     assert rt.device_type == "CPU"
     assert rt.device.startswith("xla")
     assert rt.device_count >= 1
@@ -35,8 +36,18 @@ def test_setup_report_fields(rt):
     assert "platform" in text and "CPU" in text and "compile tracing" in text
     html = rt._repr_html_()
     assert html.startswith("<table") and "torch_xla" in html
-    assert repr(rt).startswith("Runtime(local: ")
+    assert repr(rt).startswith(f"Runtime({rt.platform}: {rt.device_count} x CPU")
     assert json.loads(json.dumps(rt.to_dict(), default=str))["device_type"] == "CPU"
+
+
+def test_setup_on_a_machine_without_tpu_reports_local_cpu(rt, no_tpu_machine, monkeypatch):
+    # The machine is mocked (conftest.no_tpu_machine): a TPU cannot exist here, and on a TPU VM
+    # this still checks what setup() says on a local machine. A fresh setup() in the running runtime:
+    monkeypatch.setattr(runtime, "_STATE", None)
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    local = tpukit.setup()
+    assert (local.platform, local.tpu_signals, local.device_type, local.problems) == ("local", (), "CPU", ())
+    assert local.accelerator_type is None and local.bf16 is False
 
 
 def test_setup_is_idempotent(rt):
@@ -97,8 +108,9 @@ def test_version_mismatch_is_caught_before_import(monkeypatch):
     assert "pip install torch==2.8.1 torch_xla==2.8.1" in msg
 
 
-def test_missing_torch_xla_gives_install_command(monkeypatch):
-    # Simulated: torch_xla is installed here, so the version lookup is patched.
+def test_missing_torch_xla_gives_install_command(monkeypatch, no_tpu_machine):
+    # Simulated: torch_xla is installed here, so the version lookup is patched; the machine is
+    # mocked as local (the command differs on Colab, Kaggle and TPU VMs).
     monkeypatch.setattr(environment, "versions",
                         lambda: {"python": "3.11", "torch": "2.9.0", "torch_xla": None, "libtpu": None})
     monkeypatch.setattr(runtime, "_STATE", None)
@@ -107,7 +119,9 @@ def test_missing_torch_xla_gives_install_command(monkeypatch):
     assert "pip install torch==2.9.0 'torch_xla==2.9.0'" in str(err.value)
 
 
-def test_tpu_requested_without_tpu(monkeypatch):
+def test_tpu_requested_without_tpu(monkeypatch, no_tpu_machine):
+    # The machine is mocked (conftest.no_tpu_machine): a TPU cannot exist here, and on a TPU VM
+    # the test must not find the real one.
     monkeypatch.setattr(runtime, "_STATE", None)
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
     with pytest.raises(tpukit.DeviceNotFoundError) as err:
@@ -128,13 +142,18 @@ def test_bad_arguments():
     ({"TPU_ACCELERATOR_TYPE": "v5litepod-8"}, "tpu-vm"),           # a TPU VM's variables, simulated
     ({}, "local"),
 ])
-def test_platform_detection(env, expected):
+def test_platform_detection(env, expected, no_tpu_machine):  # the machine itself mocked as local
     assert environment.detect_platform(env) == expected
 
 
-def test_tpu_signals_and_install_commands():
+def test_tpu_signals_and_install_commands(no_tpu_machine, monkeypatch):
+    # The machine is mocked (conftest.no_tpu_machine): tpu_signals() reads /dev and /sys whatever
+    # its argument, so without the mock this would fail on a TPU VM, the product's target.
     assert environment.tpu_signals({"TPU_ACCELERATOR_TYPE": "v4-8"})[0] == "TPU_ACCELERATOR_TYPE=v4-8"
-    assert environment.tpu_signals({}) == ()  # this machine has no TPU
+    assert environment.tpu_signals({}) == ()
+    monkeypatch.setattr(environment, "_tpu_devices", lambda: [f"/dev/accel{i}" for i in range(8)])  # a v4-8 host, mocked
+    assert environment.tpu_signals({}) == ("TPU device files: /dev/accel0, /dev/accel1, /dev/accel2, /dev/accel3 ...",)
+    assert environment.detect_platform({}) == "tpu-vm"
     assert "do not reinstall torch" in environment.install_command("colab", "2.8.0+cu126")
     assert environment.install_command("tpu-vm") == "pip install torch==2.9.0 'torch_xla[tpu]==2.9.0'"
 
@@ -151,10 +170,14 @@ def test_doctor_text_and_json():
 
 
 def test_doctor_exits_nonzero_on_blocking_problem():
-    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
-    js = subprocess.run([sys.executable, "-m", "tpukit", "doctor", "--json", "--device", "tpu"],
-                        capture_output=True, text=True, env=env)
-    assert js.returncode == 1
+    # `python -m tpukit doctor --device tpu` on a machine mocked to have no TPU (a TPU cannot
+    # exist here; on a TPU VM the real one must not be found): the child runs the same
+    # module as -m does, after conftest.NO_TPU_MACHINE, without PJRT_DEVICE or platform variables.
+    code = NO_TPU_MACHINE + ("import runpy\n"
+                             "sys.argv = ['tpukit', 'doctor', '--json', '--device', 'tpu']\n"
+                             "runpy.run_module('tpukit', run_name='__main__', alter_sys=True)\n")
+    js = run_python(code, drop=MACHINE_ENV_PREFIXES + ("PJRT_DEVICE",))
+    assert js.returncode == 1, js.stderr
     data = json.loads(js.stdout)
     assert data["ok"] is False and data["error_type"] == "DeviceNotFoundError"
 

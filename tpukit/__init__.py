@@ -1,9 +1,10 @@
 """tpukit: a notebook kit for PyTorch on XLA devices (Cloud TPUs through torch_xla).
 
-``import tpukit`` imports neither torch_xla nor any UI library: it does not start the runtime.
+``import tpukit`` imports neither torch_xla nor any UI library (ipywidgets,
+matplotlib, IPython): it does not start the runtime.
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from .errors import (
     CheckpointError,
@@ -19,22 +20,16 @@ from .errors import (
 )
 from .checkpoint import CheckpointManager, Manifest, export_pretrained, load, save, verify
 from .compiles import CompileEvent, compiling_now
+from .events import add_listener, remove_listener
+from .guards import expect_compiles, no_recompile_after
+from .launch import launch
 from .magics import load_ipython_extension, unload_ipython_extension
 from .metrics import Delta, Snapshot, snapshot
-from .parallel import device_loader, fsdp, launch, mesh, rank, shard_batch, sharding_spec
-from .runtime import Runtime, setup
-from .steps import (
-    StepRecord,
-    Tracker,
-    add_listener,
-    dashboard,
-    expect_compiles,
-    log,
-    no_recompile_after,
-    on_step,
-    remove_listener,
-    track,
-)
+from .runtime import Runtime, rank, setup
+from .spmd import device_loader, fsdp, mesh, shard_batch, sharding_spec
+from .steps import StepRecord, log, on_step
+from .track import Tracker, dashboard, track
+from . import widgets  # noqa: F401 (registers the dashboard UI with events; imports no UI library)
 
 __all__ = [
     "__version__",

@@ -244,7 +244,7 @@ def to_cpu(tensors: Sequence[Any], sync: bool = True) -> list:
     return list(xlac._xla_get_cpu_tensors(tensors))
 
 
-# --------------------------------------------------------------------------- SPMD and replicas (tpukit.parallel)
+# --------------------------------------------------------------------------- SPMD and replicas (tpukit.spmd, tpukit.launch)
 
 def _xs():
     return _module("torch_xla.distributed.spmd")

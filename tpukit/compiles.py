@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import sys
 import threading
 import time
 from dataclasses import dataclass
+
+from . import _ipython, _xla, events, metrics, runtime
 
 # Graphs per code location that count as warm-up: a training step compiles once
 # before the optimizer has state and once more for the steady step (on the next
@@ -128,32 +129,8 @@ class CompileEvent:
 
 # ----------------------------------------------------------------- cell mapping
 
-_IPY_INPUT_RE = re.compile(r"<ipython-input-(\d+)-[0-9a-f]+>")
-
-
-def cell_label(filename: str) -> str | None:
-    """'[N]' when ``filename`` is a notebook/IPython cell of this process, else None."""
-    m = _IPY_INPUT_RE.match(filename)
-    if m:
-        return f"[{m.group(1)}]"
-    ip = sys.modules.get("IPython")
-    shell = None
-    if ip is not None:
-        try:
-            shell = ip.get_ipython()
-        except Exception:
-            shell = None
-    if shell is None:
-        return None
-    fmap = getattr(getattr(shell, "compile", None), "_filename_map", None) or {}
-    n = fmap.get(filename)
-    if n is not None:
-        return f"[{n}]"
-    return None
-
-
 def _with_cell(frame: Frame) -> Frame:
-    label = cell_label(frame.filename)
+    label = _ipython.cell_label(frame.filename)
     return dataclasses.replace(frame, cell=label) if label else frame
 
 
@@ -265,9 +242,8 @@ class CompileLog:
 
     @staticmethod
     def _notify(changed: list[CompileEvent]) -> list[CompileEvent]:
-        for ev in changed:  # called outside the lock: subscribers may poll again
-            for fn in list(_SUBSCRIBERS):
-                fn(ev)
+        for ev in changed:  # called outside the lock: listeners may poll again
+            events.call("on_compile", ev)
         return changed
 
     def _pending_ends(self) -> bool:
@@ -369,31 +345,16 @@ class CompileLog:
 
 
 def _sync_count() -> int:
-    from . import _xla
-
     return int(_xla.counter_value("MarkStep") or 0) if _xla.is_imported() else 0
 
 
 def _compile_count() -> int:
-    from . import _xla
-
     data = _xla.metric_data("CompileTime") if _xla.is_imported() else None
     return int(data[0]) if data else 0
 
 
 def _compile_samples() -> list[tuple[float, float]]:
-    from . import metrics
-
     return metrics.compile_samples()
-
-
-_SUBSCRIBERS: list = []
-
-
-def subscribe(fn) -> None:
-    """Call ``fn(event)`` for every new or updated compile event, whoever polled the file."""
-    if fn not in _SUBSCRIBERS:
-        _SUBSCRIBERS.append(fn)
 
 
 _LOGS: dict[str, CompileLog] = {}
@@ -402,8 +363,6 @@ _LOGS_LOCK = threading.Lock()
 
 def log() -> CompileLog:
     """The process-wide CompileLog of the trace file ``setup()`` configured (disabled if none)."""
-    from . import runtime
-
     path = runtime.trace_file()
     with _LOGS_LOCK:
         key = path or ""

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field, fields
 
 from . import _xla
+from ._text import plural
 
 NS = 1e-9
 # Counters named aten::* are ops torch_xla ran on the CPU because it has no XLA
@@ -82,20 +83,16 @@ class Delta(Counts):
         p.text(str(self))
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
 def summary_line(d: Delta) -> str:
     """``2 compiles (1.4 s) · 5 executions (0.3 s) · 1 device->host transfer · CPU fallbacks: aten::nonzero x3``."""
-    parts = [f"{_plural(d.compiles, 'compile')} ({d.compile_time:.1f} s)"]
+    parts = [f"{plural(d.compiles, 'compile')} ({d.compile_time:.1f} s)"]
     if d.cached_compiles:
         parts.append(f"{d.cached_compiles} cached")
-    parts.append(f"{_plural(d.executions, 'execution')} ({d.execute_time:.1f} s)")
+    parts.append(f"{plural(d.executions, 'execution')} ({d.execute_time:.1f} s)")
     if d.to_device:
-        parts.append(_plural(d.to_device, "host->device transfer"))
+        parts.append(plural(d.to_device, "host->device transfer"))
     if d.to_host:
-        parts.append(_plural(d.to_host, "device->host transfer"))
+        parts.append(plural(d.to_host, "device->host transfer"))
     if d.item_reads:
         parts.append(f"{d.item_reads} .item() read" + ("" if d.item_reads == 1 else "s"))
     if d.cache_hits or d.cache_misses:

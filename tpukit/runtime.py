@@ -1,4 +1,4 @@
-"""``tpukit.setup()``: configure the XLA runtime once and describe it honestly.
+"""``tpukit.setup()``: configure the XLA runtime once and describe it honestly; ``rank()``.
 
 The runtime reads its settings (device kind, number of virtual CPU devices,
 compile tracing) from environment variables when it starts, and cannot be
@@ -6,6 +6,7 @@ reconfigured afterwards. ``setup()`` therefore does everything that must happen
 before the start first, then starts the runtime and returns a frozen
 :class:`Runtime` record. Settings that could not be applied (because the runtime
 had already started) are reported in ``Runtime.problems``, never dropped.
+``rank()`` says which replica this process is (under ``tpukit.launch``).
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
+from ._version import __version__
 from . import _xla, environment
+from ._text import table_html, table_text
 from .errors import DeviceNotFoundError, TorchXlaMissingError, VersionMismatchError
 
 DEVICE_CHOICES = ("auto", "tpu", "cpu")
 TRACE_LEVEL_ENV = "PT_XLA_DEBUG_LEVEL"
 TRACE_FILE_ENV = "PT_XLA_DEBUG_FILE"
 METRIC_SAMPLES_ENV, METRIC_SAMPLES = "XLA_METRICS_SAMPLES", "64"  # set it yourself to keep more
+RANK_ENV = "TPUKIT_REPLICA_RANK"  # set by tpukit.launch in independent replicas
 
 
 @dataclass(frozen=True)
@@ -74,8 +78,7 @@ class Runtime:
 
     def report(self) -> str:
         """Multi-line plain-text report (what ``python -m tpukit doctor`` prints)."""
-        width = max(len(k) for k, _ in self.rows())
-        lines = ["tpukit runtime"] + [f"  {k:<{width}}  {v}" for k, v in self.rows()]
+        lines = [table_text(self.rows(), title="tpukit runtime")]
         lines += [f"  problem: {p}" for p in self.problems] or ["  no problems found"]
         return "\n".join(lines)
 
@@ -88,13 +91,10 @@ class Runtime:
         p.text(self.report())
 
     def _repr_html_(self) -> str:
-        cells = "".join(
-            f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(k)}</th>"
-            f"<td style='text-align:left'>{html.escape(str(v))}</td></tr>" for k, v in self.rows())
-        probs = "".join(
-            f"<tr><th style='text-align:left;color:#b45309'>problem</th>"
-            f"<td style='text-align:left;color:#b45309'>{html.escape(p)}</td></tr>" for p in self.problems)
-        return f"<table class='tpukit-runtime'><caption style='text-align:left'><b>tpukit runtime</b></caption>{cells}{probs}</table>"
+        warn = "<span style='color:#b45309'>{}</span>"
+        rows = [(f"<b>{html.escape(k)}</b>", html.escape(str(v))) for k, v in self.rows()]
+        rows += [(warn.format("<b>problem</b>"), warn.format(html.escape(p))) for p in self.problems]
+        return table_html(rows, title="tpukit runtime", css_class="tpukit-runtime", raw=True)
 
     def to_dict(self) -> dict:
         """JSON-ready dict of every field."""
@@ -114,6 +114,11 @@ def current() -> Runtime | None:
 
 
 _CONFIGURED_TRACE: str | None = None  # the trace file configure() chose for this process
+
+
+def started() -> bool:
+    """True once the XLA runtime runs (a device was used); never starts it or imports torch_xla."""
+    return _xla.runtime_initialized()
 
 
 def trace_file() -> str | None:
@@ -156,7 +161,8 @@ def _validate(req: Request) -> None:
         raise ValueError(f"cpu_devices={req.cpu_devices!r} must be a positive int (the number of virtual CPU devices).")
 
 
-def _resolve_device(req: Request, env: environment.Environment) -> str:
+def resolve_device(req: Request, env: environment.Environment) -> str:
+    """The PJRT device type ('CPU', 'TPU', ...) ``req`` resolves to here; never starts the runtime."""
     if req.device == "cpu":
         return "CPU"
     if req.device == "tpu":
@@ -171,6 +177,16 @@ def _resolve_device(req: Request, env: environment.Environment) -> str:
     if env.pjrt_device:
         return env.pjrt_device.upper().split("_")[0]
     return "TPU" if env.has_tpu else "CPU"
+
+
+def rank() -> int:
+    """This replica's rank under ``tpukit.launch()``: the index passed to ``fn`` (torch_xla's global
+    ordinal on TPU). 0 outside ``launch()`` and in SPMD, where one process drives all devices.
+    Independent XLA:CPU replicas each have a world of one, so ``rank()`` is what tells them apart."""
+    env = os.environ.get(RANK_ENV)
+    if env:
+        return int(env)
+    return _xla.global_ordinal() if _xla.runtime_initialized() else 0
 
 
 def check_installation(env: environment.Environment | None = None) -> environment.Environment:
@@ -196,7 +212,7 @@ def configure(req: Request | None = None, env: environment.Environment | None = 
     req = req or Request()
     env = env or environment.inspect()
     problems: list[str] = []
-    kind = _resolve_device(req, env)
+    kind = resolve_device(req, env)
     if not _xla.is_imported():
         # torch_xla keeps 1024 timing samples per metric and copies them all on every
         # read; tpukit reads counters every step and needs only the newest few.
@@ -267,7 +283,7 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
 
         env = check_installation()
         started_before = _xla.runtime_initialized()
-        kind = _resolve_device(req, env)
+        kind = resolve_device(req, env)
         trace, problems = configure(req, env)
 
         cache = None
@@ -301,7 +317,7 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
             process_count=_xla.process_count(),
             world_size=_xla.world_size(),
             spmd=_xla.is_spmd(),
-            versions={**env.versions, "tpukit": _tpukit_version()},
+            versions={**env.versions, "tpukit": __version__},
             compile_cache=cache,
             trace_file=trace,
             problems=(),
@@ -314,8 +330,3 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
         _STATE = (rt, req)
         return rt
 
-
-def _tpukit_version() -> str:
-    from . import __version__
-
-    return __version__

@@ -1,7 +1,8 @@
 """tpukit.widgets: the notebook UI (live dashboard, timeline plot, HTML/text renderers).
 
-Imported only on demand (``tpukit.dashboard()``); it consumes tpukit's records
-and never calls torch_xla. ipywidgets, matplotlib and IPython are imported
+``import tpukit`` imports it to register the dashboard with ``tpukit.events``
+(``tpukit.dashboard()``, ``track(dashboard=True)``); it consumes tpukit's
+records through listeners and never calls torch_xla. ipywidgets, matplotlib and IPython are imported
 lazily, only by the front end that needs them, so ``mode="text"`` works without.
 
 Modules, one job each: ``frontend`` (which context, which renderer), ``model``
@@ -9,8 +10,12 @@ Modules, one job each: ``frontend`` (which context, which renderer), ``model``
 (PNG timeline), ``live`` (the ipywidgets view), ``dashboard`` (listener, thread).
 """
 
+from tpukit import events
+
 from .dashboard import Dashboard, Report
 from .frontend import choose_frontend, detect_context
 from .model import DashboardState, View
+
+events.set_dashboard_factory(Dashboard)
 
 __all__ = ["Dashboard", "Report", "DashboardState", "View", "choose_frontend", "detect_context"]

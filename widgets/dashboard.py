@@ -22,9 +22,8 @@ import warnings
 from collections import deque
 from typing import Any
 
-from tpukit import _xla, compiles, metrics
+from tpukit import compiles, events, metrics
 from tpukit import runtime as _runtime
-from tpukit import steps as _steps
 from tpukit.errors import TpukitWarning
 
 from . import frontend, render
@@ -48,7 +47,7 @@ def _runtime_started() -> bool:
     # The dashboard must never import torch_xla or start the runtime (setup() has
     # to configure both first), so it reads counters and arms step hooks only once
     # someone else started the runtime. Never imports anything itself.
-    return _xla.runtime_initialized()
+    return _runtime.started()
 
 
 class _EarlyListener:
@@ -166,7 +165,7 @@ class Dashboard:
             self._fail(exc, "opening")
             return
         if not self._attach():
-            _steps.add_listener(self._early)
+            events.add_listener(self._early)
         self._thread = threading.Thread(target=self._run, name="tpukit-dashboard", daemon=True)
         self._thread.start()
         if self._live is not None and self._plot_on:
@@ -207,14 +206,14 @@ class Dashboard:
         with self._attach_lock:
             if self._attached or self.closed or self.disabled or not (now or _runtime_started()):
                 return self._attached
-            _steps.add_listener(self)
-            _steps.remove_listener(self._early)
+            events.add_listener(self)
+            events.remove_listener(self._early)
             self._attached = True
             return True
 
     def _detach(self) -> None:
-        _steps.remove_listener(self)
-        _steps.remove_listener(self._early)
+        events.remove_listener(self)
+        events.remove_listener(self._early)
 
     # ------------------------------------------------------------ polling thread
     def _run(self) -> None:
@@ -224,7 +223,7 @@ class Dashboard:
         timeout = period
         while not self._stop.wait(timeout):
             try:
-                self._tick()
+                self.tick()
             except Exception as exc:
                 self._fail(exc, "refresh")
                 return
@@ -243,12 +242,17 @@ class Dashboard:
             if self._stop.is_set():
                 return
             try:
-                self._draw_plot()
+                self.draw_plot()
             except Exception as exc:
                 self._fail(exc, "plot")
                 return
 
-    def _draw_plot(self) -> bytes | None:
+    @property
+    def plot_version(self) -> int:
+        """State version of the last timeline PNG drawn (-1 before the first)."""
+        return self._png_version
+
+    def draw_plot(self) -> bytes | None:
         """Render the timeline if the steps changed since the last PNG; keep it for the next refresh."""
         with self._plot_lock:
             if self.state.version in (0, self._png_version):
@@ -262,7 +266,9 @@ class Dashboard:
             self._png, self._png_version = png, tl.version
             return png
 
-    def _tick(self) -> None:
+    def tick(self, force: bool = False) -> None:
+        """One poll: attach once the runtime runs, read compiles and counters, refresh
+        the widgets when a refresh is due (or now, with ``force``)."""
         if not self._attached:
             self._attach()
         if compiles.tracing_enabled():
@@ -270,7 +276,7 @@ class Dashboard:
             self.state.set_compiling(compiles.compiling_now())
         self._sample()
         if self.mode == "widgets":
-            self._refresh(force=False)
+            self._refresh(force=force)
         elif not frontend.has_rich_display(self.context):
             # Terminals and scripts: say so during a long compile, when no step can print.
             v = self.state.view()
@@ -320,7 +326,7 @@ class Dashboard:
             png = None
             if draw_plot and self._plot_on:
                 if force:  # close() / refresh(): draw now, on this thread
-                    self._draw_plot()
+                    self.draw_plot()
                 elif self.state.version != self._asked_version:
                     self._asked_version = self.state.version
                     self._plot_wanted.set()  # the plot thread draws; a later refresh shows it

@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
+from tpukit import _ipython
+
 CONTEXTS = ("colab", "jupyter", "ipython", "none")
 MODES = ("auto", "widgets", "text")
 ENV_VAR = "TPUKIT_DASHBOARD"  # "text" or "widgets": overrides mode="auto" (set it for nbval/nbconvert runs)
@@ -18,21 +20,11 @@ ENV_VAR = "TPUKIT_DASHBOARD"  # "text" or "widgets": overrides mode="auto" (set 
 _HEADLESS_VARS = ("NBVAL", "CI")
 
 
-def _shell():
-    ip = sys.modules.get("IPython")
-    if ip is None:
-        return None
-    try:
-        return ip.get_ipython()
-    except Exception:
-        return None
-
-
 def detect_context() -> str:
     """Where this code runs: ``"colab"``, ``"jupyter"`` (a kernel with a front end
     that can show widgets: Lab, Notebook, VS Code), ``"ipython"`` (a terminal shell
     or a console-only kernel such as qtconsole/Spyder) or ``"none"`` (a script)."""
-    shell = _shell()
+    shell = _ipython.shell()
     if shell is None:
         return "none"
     if "google.colab" in sys.modules:

@@ -10,36 +10,18 @@ from __future__ import annotations
 import html
 from typing import Any
 
+from tpukit._text import plural, seconds, table_html
+
 from .model import View
 
 WARN = "#b45309"
 BAD = "#b91c1c"
 MUTED = "#6b7280"
-_CELL = "padding:1px 10px 1px 0;text-align:left;vertical-align:top"
 _KIND_COLOUR = {"idle": MUTED, "executing": "#15803d", "compiling": "#c2410c", "stopped": BAD}
 
 
 def _e(x: Any) -> str:
     return html.escape(str(x))
-
-
-def _secs(x: float | None) -> str:
-    if x is None:
-        return "–"
-    if x < 1:
-        return f"{x * 1000:.1f} ms"
-    return f"{x:.2f} s"
-
-
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
-
-
-def _table(rows: list[tuple[str, str]], head: tuple[str, ...] | None = None, raw: bool = False) -> str:
-    th = "".join(f"<th style='{_CELL}'>{_e(h)}</th>" for h in head) if head else ""
-    body = "".join("<tr>" + "".join(f"<td style='{_CELL}'>{c if raw else _e(c)}</td>" for c in row) + "</tr>"
-                   for row in rows)
-    return f"<table style='border-collapse:collapse;font-size:90%'>{'<tr>' + th + '</tr>' if th else ''}{body}</table>"
 
 
 # ---------------------------------------------------------------- header
@@ -77,7 +59,7 @@ def header_text(runtime: Any) -> str:
 
 def counter_rows(v: View) -> list[tuple[str, str]]:
     """The counters as (label, value) rows, shared by HTML and text."""
-    compiles = f"{v.compiles} ({_secs(v.compile_time)})"
+    compiles = f"{v.compiles} ({seconds(v.compile_time)})"
     if v.cached_compiles is not None:
         compiles += f", {v.cached_compiles} cached"
     transfers = (f"{v.to_device if v.to_device is not None else '?'} to device, "
@@ -85,10 +67,10 @@ def counter_rows(v: View) -> list[tuple[str, str]]:
     rows = [("steps", str(v.steps)),
             ("compiles", compiles),
             ("recompilations", str(v.recompilations)),
-            ("executions", f"{v.executions} ({_secs(v.execute_time)})"),
+            ("executions", f"{v.executions} ({seconds(v.execute_time)})"),
             ("transfers", transfers),
             ("CPU fallbacks", str(sum(v.fallbacks.values())) if v.fallbacks else "0"),
-            ("step time", f"last {_secs(v.last_step_s)}, median {_secs(v.median_step_s)}")]
+            ("step time", f"last {seconds(v.last_step_s)}, median {seconds(v.median_step_s)}")]
     if v.throughput is not None:
         rows.append(("throughput", f"{v.throughput:,.1f} examples/s (batch {v.batch_size})"))
     if v.memory:
@@ -108,7 +90,7 @@ def counters_html(v: View) -> str:
         cells = [(f"<span style='color:{MUTED}'>{_e(k)}</span>",
                   f"<b style='color:{BAD}'>{_e(val)}</b>" if k == "recompilations" and v.recompilations
                   else _e(val)) for k, val in chunk]
-        cols.append(_table(cells, raw=True))
+        cols.append(table_html(cells, raw=True))
     return "<div style='display:flex;gap:2em'>" + "".join(f"<div>{c}</div>" for c in cols) + "</div>"
 
 
@@ -133,9 +115,9 @@ def alerts_html(v: View) -> str:
     if not v.alerts_total:
         return f"<div style='color:{MUTED}'>no recompilations</div>"
     more = v.alerts_total - len(v.alerts)
-    title = (f"<div style='color:{BAD}'><b>{_plural(v.alerts_total, 'recompilation')}</b>"
+    title = (f"<div style='color:{BAD}'><b>{plural(v.alerts_total, 'recompilation')}</b>"
              + (f" (latest {len(v.alerts)} shown)" if more else "") + "</div>")
-    return title + _table(alert_rows(v), head=("step", "graph", "where", "cause", "hint"))
+    return title + table_html(alert_rows(v), head=("step", "graph", "where", "cause", "hint"))
 
 
 # ---------------------------------------------------------------- fallbacks
@@ -146,7 +128,7 @@ def fallbacks_html(v: View) -> str:
         return f"<div style='color:{MUTED}'>no CPU fallbacks</div>"
     rows = [(op, str(n)) for op, n in sorted(v.fallbacks.items(), key=lambda kv: (-kv[1], kv[0]))]
     return (f"<div style='color:{WARN}'><b>CPU fallbacks</b> (ops without an XLA lowering run on the host)</div>"
-            + _table(rows, head=("op", "count")))
+            + table_html(rows, head=("op", "count")))
 
 
 # ---------------------------------------------------------------- text
@@ -154,11 +136,11 @@ def fallbacks_html(v: View) -> str:
 def text_line(v: View, final: bool = False) -> str:
     """One short line for the periodic text summary (``final``: the line printed at the end)."""
     parts = [f"step {v.last_step}" if v.last_step is not None else "no steps yet",
-             _plural(v.compiles, "compile")]
+             plural(v.compiles, "compile")]
     if v.recompilations:
-        parts.append(_plural(v.recompilations, "recompilation"))
+        parts.append(plural(v.recompilations, "recompilation"))
     if v.median_step_s is not None:
-        parts.append(f"step {_secs(v.last_step_s)} (median {_secs(v.median_step_s)})")
+        parts.append(f"step {seconds(v.last_step_s)} (median {seconds(v.median_step_s)})")
     if v.throughput is not None:
         parts.append(f"{v.throughput:,.1f} ex/s")
     parts += [f"{k} {x:.4g}" for k, x in list(v.scalars.items())[:3]]
@@ -191,5 +173,5 @@ def text_report(v: View, runtime: Any = None, summary: bool = True) -> str:
 def report_html(v: View, runtime: Any, tracing: bool) -> str:
     """The static report: header, counters table, recompilations and fallbacks (no widgets needed)."""
     return ("<div class='tpukit-report'>" + header_html(runtime, tracing, title="tpukit report")
-            + _table(counter_rows(v))
+            + table_html(counter_rows(v))
             + alerts_html(v) + fallbacks_html(v) + "</div>")

@@ -6,8 +6,10 @@ cell and a short training loop with the live dashboard, and checks the page's
 DOM: the header names the device, the step counter grows while the cell is still
 running, a deliberate recompilation shows up as an alert naming the cell and
 line, and the static report image exists after the loop. Screenshots of the live
-dashboard and the report go to docs/images/; on failure the page is saved to
-build/e2e-failure.png. Run with ``make test-e2e`` (installs Debian's chromium).
+dashboard and the report go to build/e2e/ (so a test run leaves the checkout
+clean), or to $TPUKIT_SCREENSHOTS: ``make screenshots`` sets it to docs/images to
+refresh the README's images on purpose. On failure the page is saved to
+build/e2e/failure.png. Run with ``make test-e2e`` (installs Debian's chromium).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-IMAGES = ROOT / "docs" / "images"
-BUILD = ROOT / "build"
+BUILD = ROOT / "build" / "e2e"
+IMAGES = ROOT / os.environ.get("TPUKIT_SCREENSHOTS", str(BUILD))  # relative to the checkout, or absolute
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-quic", "--disable-dev-shm-usage"]
@@ -190,8 +192,8 @@ def test_dashboard_and_magics_in_jupyterlab(lab):
                 page.wait_for_timeout(500)
             page.locator(".jp-Cell").nth(3).locator(".jp-OutputArea").screenshot(path=str(IMAGES / "dashboard_report.png"))
         except Exception:
-            BUILD.mkdir(exist_ok=True)
-            page.screenshot(path=str(BUILD / "e2e-failure.png"), full_page=True)
+            BUILD.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(BUILD / "failure.png"), full_page=True)
             raise
         finally:
             browser.close()

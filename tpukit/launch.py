@@ -1,37 +1,13 @@
-"""Multi-core training from a notebook: SPMD helpers and a notebook-safe launcher.
+"""``launch()``: run multi-process (``xmp.spawn`` / ``torch_xla.launch`` style) code from a notebook.
 
-Two ways to use several cores:
-
-* **SPMD (recommended).** One process drives every device; you write a
-  single-device training loop and say how tensors are split. Works in any
-  notebook. ``tpukit.setup(spmd=True)`` first, then ``mesh()``, ``shard_batch()``
-  (or ``device_loader(loader, mesh)``) and optionally ``fsdp()``::
-
-      tpukit.setup(spmd=True)            # cpu_devices=4 to try it on a laptop
-      m = tpukit.mesh()                  # all devices on the 'data' axis
-      for batch in tpukit.device_loader(loader, m):   # batches arrive sharded
-          loss = model(batch["x"]).loss ...
-
-* **``launch()``** for existing multi-process (``xmp.spawn`` / ``torch_xla.launch``
-  style) code: ``fn(index, *args)`` runs once per replica in child processes,
-  their output is streamed to the cell with a ``[rank N]`` prefix, a replica's
-  exception is re-raised here with its traceback, and rank 0's return value is
-  returned. No child outlives the call.
-
-Checkpoints: sharded tensors stay ordinary ``torch.Tensor`` objects (nothing
-here wraps them), so ``tensor.cpu()`` and ``tpukit.checkpoint.save`` gather the
-full values from the shards; in SPMD the one process writes. Under ``launch()``
-only rank 0 writes files: ``tpukit.checkpoint.save`` writes on the master
-replica only, and your own writes should be guarded with
-``if tpukit.parallel.rank() == 0`` (independent XLA:CPU replicas each have a
-world of one, so ``rank()`` is what tells them apart).
+Plans, start methods, output forwarding with ``[rank N]`` prefixes, and forwarding of rank 0's
+step records and compile events to this process's listeners. Prefer SPMD (:mod:`tpukit.spmd`).
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import multiprocessing
 import multiprocessing.connection
 import os
 import re
@@ -42,195 +18,17 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable
 
-from . import _xla, environment, runtime, steps
-from .errors import LaunchError, RuntimeStateError, ShardingError, TpukitWarning
+from . import _ipython, _xla, environment, events, runtime
+from .errors import LaunchError, TpukitWarning
 
 log = logging.getLogger("tpukit")
 
-RANK_ENV = "TPUKIT_REPLICA_RANK"
 _TERMINATE_GRACE = 5.0  # seconds a replica gets to exit after SIGTERM before SIGKILL
 _EXIT_GRACE = 10.0  # seconds a replica that already returned gets to exit on its own
 _DRAIN_GRACE = 2.0  # seconds to collect output after the last replica exited
 
-
-# --------------------------------------------------------------------------- SPMD
-
-def _require_spmd(what: str) -> None:
-    if _xla.is_spmd():
-        return
-    if _xla.runtime_initialized() or runtime.current() is not None:
-        raise RuntimeStateError(
-            f"{what} needs SPMD, but the XLA runtime in this process already started without it and SPMD "
-            "cannot be switched on once the device is in use. Restart the kernel and call "
-            "tpukit.setup(spmd=True) before anything touches the device.")
-    raise RuntimeStateError(
-        f"{what} needs SPMD mode, which is off. Call tpukit.setup(spmd=True) before using the device "
-        "(add cpu_devices=N on a machine without TPU to get N virtual devices).")
-
-
-def mesh(axes: Sequence[str] = ("data",), shape: Sequence[int] | None = None):
-    """A device mesh over all devices of the SPMD runtime, for ``shard_batch``/``fsdp``.
-
-    axes: names of the mesh axes; the first is the data axis by convention.
-    shape: devices per axis (one entry may be -1: inferred); default puts every
-    device on the first axis. Returns a ``torch_xla.distributed.spmd.Mesh``, so it
-    also works with torch_xla's own sharding API.
-    """
-    _require_spmd("tpukit.mesh()")
-    if isinstance(axes, str):
-        axes = (axes,)
-    axes = tuple(axes)
-    if not axes or not all(isinstance(a, str) and a for a in axes) or len(set(axes)) != len(axes):
-        raise ValueError(f"axes={axes!r} must be one or more distinct, non-empty names, "
-                         "e.g. ('data',) or ('data', 'model').")
-    n = _xla.device_count()
-    if shape is None:
-        dims = (n,) + (1,) * (len(axes) - 1)
-    else:
-        dims = tuple(int(s) for s in shape)
-        example = (n,) + (1,) * (len(axes) - 1)
-        hint = f"their product must be {n}, the number of devices (e.g. {example}, or -1 for one axis)"
-        if len(dims) != len(axes):
-            raise ValueError(f"shape={dims} has {len(dims)} entries but axes={axes} has {len(axes)}; "
-                             "give one size per axis.")
-        if dims.count(-1) > 1 or any(d == 0 or d < -1 for d in dims):
-            raise ValueError(f"shape={dims} is not valid: sizes must be positive (at most one -1); {hint}.")
-        known = 1
-        for d in dims:
-            known *= d if d != -1 else 1
-        if -1 in dims:
-            if n % known:
-                raise ValueError(f"shape={dims} cannot be completed: {n} devices are not divisible by {known}; {hint}.")
-            dims = tuple(n // known if d == -1 else d for d in dims)
-        elif known != n:
-            raise ValueError(f"shape={dims} covers {known} devices but the runtime has {n}; {hint}.")
-    return _xla.make_mesh(dims, axes)
-
-
-def _axis_size(m: Any, axis: str) -> int:
-    if not _xla.is_mesh(m):
-        raise TypeError(f"expected a mesh from tpukit.mesh(), got {type(m).__name__}.")
-    sizes = _xla.mesh_axes(m)
-    if axis not in sizes:
-        raise ValueError(f"the mesh has no axis {axis!r} (its axes are {tuple(sizes)}); pass axis= one of them.")
-    return sizes[axis]
-
-
-def _check_rows(t: Any, size: int, axis: str, where: str) -> None:
-    rows = int(t.shape[0])
-    if rows % size:
-        lower, upper = rows // size * size, (rows // size + 1) * size
-        example = f"{lower} or {upper}" if lower else f"{upper}"
-        raise ShardingError(
-            f"batch of {rows} ({where}) cannot be split over {size} devices on axis {axis!r}; use a batch size that "
-            f"is a multiple of {size}, e.g. {example}, or drop_last=True in the DataLoader.")
-
-
-def _map_tensors(obj: Any, fn: Callable[[Any, str], Any], path: str) -> Any:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return fn(obj, path)
-    if isinstance(obj, Mapping):
-        items = {k: _map_tensors(v, fn, f"{path}[{k!r}]") for k, v in obj.items()}
-        try:
-            return type(obj)(items)
-        except Exception:
-            return items
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_map_tensors(v, fn, f"{path}.{f}") for f, v in zip(obj._fields, obj)))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn, f"{path}[{i}]") for i, v in enumerate(obj))
-    return obj
-
-
-def shard_batch(batch: Any, mesh: Any, axis: str = "data") -> Any:
-    """Put a batch on the device, every tensor split along its first dimension over ``axis``.
-
-    batch: a tensor or a nested dict/list/tuple of them (other leaves pass through);
-    CPU tensors are copied shard by shard, XLA tensors are annotated in place.
-    Scalars are replicated. Returns the same structure with plain XLA tensors;
-    raises ``ShardingError`` when a first dimension is not a multiple of the
-    axis size (every device must get the same number of rows).
-    """
-    size = _axis_size(mesh, axis)
-
-    def one(t: Any, path: str) -> Any:
-        if t.dim() == 0:
-            return t if _xla.is_xla_tensor(t) else t.to(_xla.device())
-        _check_rows(t, size, axis, path)
-        spec = (axis,) + (None,) * (t.dim() - 1)
-        if _xla.is_xla_tensor(t):
-            _xla.mark_sharding(t, mesh, spec)
-            return t
-        return _xla.to_device_sharded(t.detach().cpu() if t.device.type != "cpu" else t, mesh, spec)
-
-    return _map_tensors(batch, one, "batch")
-
-
-def sharding_spec(tensor: Any) -> str:
-    """The XLA sharding of a device tensor, e.g. ``'{devices=[4,1]0,1,2,3}'``.
-
-    ``''`` means no sharding annotation (replicated, or not yet propagated by a
-    compile). Check it in notebooks and tests rather than assuming a layout.
-    """
-    if not _xla.is_xla_tensor(tensor):
-        where = getattr(getattr(tensor, "device", None), "type", type(tensor).__name__)
-        raise ShardingError(f"sharding_spec() needs a tensor on the XLA device, got a {where} tensor; "
-                            "move it with tpukit.shard_batch(...) or .to(device) first.")
-    return _xla.sharding_spec(tensor)
-
-
-def device_loader(loader: Any, mesh: Any = None, device: Any = None, axis: str = "data") -> Any:
-    """Wrap a DataLoader (or any iterable of batches) so batches arrive on the device.
-
-    Uses torch_xla's ``MpDeviceLoader``: a background thread copies the next
-    batches while the device computes, and it syncs (``torch_xla.sync()``) before
-    yielding each batch, so a loop over it needs no explicit sync. With a mesh,
-    every tensor is split along dim 0 over ``axis`` as it is copied (use
-    ``drop_last=True`` so every batch divides evenly; an indivisible batch raises
-    ``ShardingError`` when the loader reaches it).
-    """
-    dev = device if device is not None else _xla.device()
-    if mesh is None:
-        return _xla.mp_device_loader(loader, dev)
-    size = _axis_size(mesh, axis)
-    sharding = _xla.first_dim_sharding(
-        mesh, axis, check=lambda t: _check_rows(t, size, axis, f"a batch tensor of shape {tuple(t.shape)}"))
-    return _xla.mp_device_loader(loader, dev, sharding)
-
-
-def fsdp(model: Any, mesh: Any, axis: str = "data") -> Any:
-    """Shard a model's parameters over a mesh axis (FSDP-style), with SPMD doing the gathers.
-
-    Wraps ``model`` in torch_xla's ``SpmdFullyShardedDataParallel``: each
-    parameter is split along its largest dimension over ``axis`` and the outputs'
-    batch dimension is sharded over the same axis (the wrapper's ``shard_output``).
-    Create the optimizer *after* wrapping. ``model`` is moved to the device in
-    place and keeps its own ``state_dict()`` keys (the wrapper's add a
-    ``_orig_module.`` prefix). Feed it batches from ``shard_batch(..., mesh, axis)``.
-    """
-    _require_spmd("tpukit.fsdp()")
-    size = _axis_size(mesh, axis)
-    sizes = _xla.mesh_axes(mesh)
-    if axis != "fsdp" and "fsdp" in sizes:
-        raise ValueError(f"the mesh already has an axis named 'fsdp' besides {axis!r}; rename it or pass axis='fsdp'.")
-    fmesh = _xla.rename_mesh_axes(mesh, tuple("fsdp" if a == axis else a for a in sizes))
-
-    def shard_output(output: Any, m: Any) -> None:
-        def mark(t: Any, _path: str) -> Any:
-            if _xla.is_xla_tensor(t) and t.dim() >= 1 and t.shape[0] % size == 0:
-                _xla.mark_sharding(t, m, ("fsdp",) + (None,) * (t.dim() - 1))
-            return t
-
-        _map_tensors(output if not hasattr(output, "to_tuple") else output.to_tuple(), mark, "output")
-
-    return _xla.spmd_fsdp(model, fmesh, shard_output)
-
-
-# --------------------------------------------------------------------------- launcher
 
 @dataclass(frozen=True)
 class _Plan:
@@ -244,26 +42,14 @@ class _Plan:
 
 def _device_kind() -> str:
     """The PJRT device type the runtime will use ('CPU', 'TPU', ...); never starts it."""
-    return runtime._resolve_device(runtime.Request(), environment.inspect())
-
-
-def _in_ipython_kernel() -> bool:
-    """True inside a Jupyter/Colab/Kaggle kernel; never imports IPython."""
-    if "ipykernel" not in sys.modules:
-        return False
-    getter = getattr(sys.modules.get("IPython"), "get_ipython", None)
-    try:
-        shell = getter() if getter else None
-    except Exception:
-        shell = None
-    return shell is not None and getattr(shell, "kernel", None) is not None
+    return runtime.resolve_device(runtime.Request(), environment.inspect())
 
 
 def _default_start_method() -> str:
-    """'fork' in notebooks and interactive sessions (their functions cannot be pickled
-    by reference), 'spawn' in scripts (a clean interpreter per replica)."""
+    """'fork' in notebooks and interactive sessions (their functions cannot be pickled by
+    reference), 'spawn' in scripts (a clean interpreter per replica)."""
     main = sys.modules.get("__main__")
-    return "fork" if _in_ipython_kernel() or not getattr(main, "__file__", None) else "spawn"
+    return "fork" if _ipython.in_kernel() or not getattr(main, "__file__", None) else "spawn"
 
 
 def _plan(nprocs: int | None, debug_single_process: bool, start_method: str | None) -> _Plan:
@@ -302,49 +88,37 @@ def _refuse_if_unsafe(plan: _Plan) -> None:
             "tpukit.launch(...) before anything touches the device (or pass debug_single_process=True).")
 
 
-def rank() -> int:
-    """This replica's rank under ``launch()``: the index passed to ``fn`` (torch_xla's global
-    ordinal on TPU). 0 outside ``launch()`` and in SPMD, where one process drives all devices."""
-    env = os.environ.get(RANK_ENV)
-    if env:
-        return int(env)
-    return _xla.global_ordinal() if _xla.runtime_initialized() else 0
-
-
 def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, debug_single_process: bool = False,
            start_method: str | None = None) -> Any:
     """Run ``fn(index, *args)`` once per replica, like ``torch_xla.launch``; return rank 0's value.
 
-    Call it before anything in the kernel touches the device: the parent never
-    starts the XLA runtime (each replica starts its own), and ``launch`` refuses,
-    starting nothing, when the runtime is already running here.
+    Call it before anything in the kernel touches the device: the parent never starts the XLA
+    runtime (each replica starts its own), and ``launch`` refuses, starting nothing, when the
+    runtime is already running here.
 
-    * Children are forked in notebooks and interactive sessions (``fn`` may be
-      defined in a cell) and spawned in scripts (``fn`` must be importable; guard
-      the script with ``if __name__ == "__main__":``); ``start_method`` overrides.
-    * Each replica's stdout/stderr (including C-level output) is streamed to the
-      cell, prefixed ``[rank N]`` (N = process index on this host; threads of one
-      process share it). A replica's exception is re-raised here as
-      ``LaunchError`` carrying its traceback; the other replicas are stopped.
-      On error or KeyboardInterrupt every child is terminated, killed if needed,
-      and reaped; children also die if this process dies.
-    * On TPU, ``nprocs=None`` starts one process per chip with torch_xla's own
-      topology set-up and one thread per device (``xmp.spawn`` semantics:
-      ``fn(global_ordinal, *args)``); ``nprocs=1`` runs one replica on one chip.
-    * XLA:CPU limitation: collectives across replicas are not supported on CPU
-      (they hang, then abort). ``nprocs=None``/``1`` runs one real replica in a
-      child; ``nprocs=N>1`` starts N *independent* single-device processes
-      (``fn(i, *args)``, ``rank()`` = i) with no collectives between them, to
-      exercise the plumbing; it warns. Use SPMD (``tpukit.mesh``) for multi-core
-      training on CPU.
-    * ``debug_single_process=True`` runs one replica (index 0) in this process,
-      without prefixes or wrapping, so debuggers and ``%debug`` work; it starts
-      the runtime here, so later launches in this kernel are refused.
+    * Children are forked in notebooks and interactive sessions (``fn`` may be defined in a
+      cell) and spawned in scripts (``fn`` must be importable; guard the script with
+      ``if __name__ == "__main__":``); ``start_method`` overrides.
+    * Each replica's stdout/stderr (including C-level output) is streamed to the cell, prefixed
+      ``[rank N]`` (N = process index on this host; threads of one process share it). A
+      replica's exception is re-raised here as ``LaunchError`` carrying its traceback; the other
+      replicas are stopped. On error or KeyboardInterrupt every child is terminated, killed if
+      needed, and reaped; children also die if this process dies.
+    * On TPU, ``nprocs=None`` starts one process per chip with torch_xla's own topology set-up
+      and one thread per device (``xmp.spawn`` semantics: ``fn(global_ordinal, *args)``);
+      ``nprocs=1`` runs one replica on one chip.
+    * XLA:CPU limitation: collectives across replicas are not supported on CPU (they hang, then
+      abort). ``nprocs=None``/``1`` runs one real replica in a child; ``nprocs=N>1`` starts N
+      *independent* single-device processes (``fn(i, *args)``, ``rank()`` = i) with no
+      collectives between them, to exercise the plumbing; it warns. Use SPMD (``tpukit.mesh``)
+      for multi-core training on CPU.
+    * ``debug_single_process=True`` runs one replica (index 0) in this process, without prefixes
+      or wrapping, so debuggers and ``%debug`` work; it starts the runtime here, so later
+      launches in this kernel are refused.
 
-    Only rank 0 should write files (``tpukit.checkpoint.save`` does so); guard
-    your own writes with ``if tpukit.parallel.rank() == 0``. The return value
-    must be picklable (return CPU data, e.g. ``t.cpu()``). On a multi-host pod,
-    each host's call returns its lowest local rank's value (rank 0's on host 0).
+    Only rank 0 should write files (``tpukit.checkpoint.save`` does so); guard your own writes
+    with ``if tpukit.rank() == 0``. The return value must be picklable (return CPU data, e.g.
+    ``t.cpu()``). On a multi-host pod, each host's call returns its lowest local rank's value.
     """
     plan = _plan(nprocs, debug_single_process, start_method)
     _refuse_if_unsafe(plan)
@@ -369,10 +143,9 @@ def _redirect_output(out_w: Any, err_w: Any) -> None:
     # Keep the inherited stream objects alive: collecting them could flush the
     # parent's buffered output (or a notebook's zmq stream) into our pipes.
     _INHERITED_STREAMS.append((sys.stdout, sys.stderr))
-    os.dup2(out_w.fileno(), 1)
-    os.dup2(err_w.fileno(), 2)
-    out_w.close()
-    err_w.close()
+    for fd, conn in ((1, out_w), (2, err_w)):
+        os.dup2(conn.fileno(), fd)
+        conn.close()
 
     def stream(fd: int):
         return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
@@ -394,12 +167,10 @@ def _redirect_output(out_w: Any, err_w: Any) -> None:
 
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this child when the launching process dies (best effort)."""
-    if not sys.platform.startswith("linux"):
-        return
     try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if sys.platform.startswith("linux"):
+            import ctypes
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     except Exception:
         pass
 
@@ -429,12 +200,10 @@ def _replica_main(rank_: int, plan: _Plan, fn: Callable[..., Any], args: tuple, 
     _die_with_parent()
     if plan.start_method != "forkserver" and os.getppid() != parent_pid:  # parent died before prctl
         os._exit(1)
-    forwarder = _RecordForwarder(res_w) if rank_ == 0 else None
-    if forwarder is not None:
-        steps.add_listener(forwarder)
+    forwarder = events.add_listener(_RecordForwarder(res_w)) if rank_ == 0 else None
     try:
         if plan.mode == "independent":
-            os.environ[RANK_ENV] = str(rank_)
+            os.environ[runtime.RANK_ENV] = str(rank_)
             values = {rank_: fn(rank_, *args)}
         elif plan.mode == "single":
             values = {0: _xla.run_single_process(fn, args)}
@@ -450,7 +219,7 @@ def _replica_main(rank_: int, plan: _Plan, fn: Callable[..., Any], args: tuple, 
     except BaseException as exc:  # report everything, including KeyboardInterrupt in the child
         msg = ("error", f"{type(exc).__name__}: {exc}", _user_traceback(exc))
     if forwarder is not None:
-        steps.remove_listener(forwarder)
+        events.remove_listener(forwarder)
     try:
         res_w.send(msg)
     except Exception as exc:  # an unpicklable return value
@@ -464,19 +233,16 @@ def _replica_main(rank_: int, plan: _Plan, fn: Callable[..., Any], args: tuple, 
 
 
 class _RecordForwarder:
-    """Listener in replica rank 0: sends its step records and compile events to the
-    launching process, which publishes them to its own listeners (e.g. the notebook's
-    dashboard). Under one thread per device only ordinal 0's records are sent."""
+    """Listener in replica rank 0 that sends its step records and compile events to the launching
+    process's listeners (e.g. the notebook's dashboard); with one thread per device, only ordinal 0's."""
 
     def __init__(self, conn: Any):
-        self.conn = conn
-        self.lock = threading.Lock()
+        self.conn, self.lock = conn, threading.Lock()
 
     def _send(self, kind: str, record: Any) -> None:
-        if rank() != 0:
-            return
-        with self.lock:
-            self.conn.send(("record", kind, record))
+        if runtime.rank() == 0:
+            with self.lock:
+                self.conn.send(("record", kind, record))
 
     def on_step(self, record: Any) -> None:
         self._send("on_step", record)
@@ -535,10 +301,7 @@ class _Launcher:
 
     def _drain(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while self.streams:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
+        while self.streams and (left := deadline - time.monotonic()) > 0:
             for fd in multiprocessing.connection.wait(list(self.streams), timeout=left):
                 self._read_stream(fd)
         for fd in list(self.streams):
@@ -615,10 +378,8 @@ class _Launcher:
 
     def _died(self, r: int) -> LaunchError:
         code = self.procs[r].exitcode
-        if code is not None and code < 0:
-            how = f"was killed by signal {signal.Signals(-code).name}"
-        else:
-            how = f"exited with code {code}"
+        how = (f"was killed by signal {signal.Signals(-code).name}" if code is not None and code < 0
+               else f"exited with code {code}")
         stopped = " The other replicas were stopped." if self.plan.nprocs > 1 else ""
         return LaunchError(f"replica rank {r} {how} without returning a result (a crash, os._exit or out of memory); "
                            f"its output above may say why.{stopped}")
@@ -630,7 +391,7 @@ class _Launcher:
         except (EOFError, OSError):
             msg = None
         if msg is not None and msg[0] == "record":  # rank 0's step record / compile event
-            steps.publish(msg[1], msg[2])
+            events.call(msg[1], msg[2])
             return None
         self.results.pop(r)
         conn.close()

@@ -1,0 +1,289 @@
+"""The bodies of the magics that run or watch notebook cells: ``%%xla``, ``%xla_ir`` /
+``%xla_hlo`` and ``%xla_watch``.
+
+Their argument parsing lives in ``tpukit.magics``; ``%tpu``, ``%xla_metrics``,
+``%xla_dashboard`` and the shared helpers (usage errors, snapshots) in
+``tpukit._magic_reports``. Neither IPython nor torch_xla is imported here:
+torch_xla is only touched through ``_xla`` once the user's code imported it.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from typing import Any, Callable
+
+from . import _ipython, _xla, compiles, metrics
+from ._magic_reports import snapshot_now, usage
+from ._text import plural
+from .errors import RecompilationError
+
+_NO_TRACING = ("causes unavailable: compile tracing is off in this process; restart the kernel and "
+               "%load_ext tpukit before importing torch_xla")
+
+
+def _synced_snapshot() -> metrics.Snapshot:
+    """Sync pending work (when the runtime runs), wait for it, then read the counters."""
+    if _xla.runtime_initialized():
+        _xla.sync(wait=True)
+        _xla.wait_device_ops()  # executions are counted when they finish, after sync(wait=True)
+    return snapshot_now()
+
+
+def _torch():
+    """torch if the user imported it (the magics never import it themselves)."""
+    return sys.modules.get("torch")
+
+
+# ----------------------------------------------------------------- %%xla
+
+def _cache_cell(shell: Any, text: str, number: int) -> str:
+    """Register ``text`` as cell ``number``'s source; returns the filename to compile with."""
+    try:
+        return shell.compile.cache(text, number, raw_code=text)  # IPython >= 8 (maps the name to the cell)
+    except TypeError:
+        return shell.compile.cache(text, number)  # IPython 7: '<ipython-input-N-...>'
+
+
+def _cell_number(shell: Any) -> int:
+    """The execution count of the cell running %%xla, as compile events will name it.
+
+    Read from the calling cell's frame, because IPython versions differ on whether
+    ``execution_count`` is incremented before or after a cell runs; else from the
+    running ExecutionResult.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        label = _ipython.cell_label(frame.f_code.co_filename)
+        if label:
+            return int(label.strip("[]"))
+        frame = frame.f_back
+    result = getattr(getattr(shell, "displayhook", None), "exec_result", None)
+    number = getattr(result, "execution_count", None)
+    return int(number) if number is not None else int(shell.execution_count)
+
+
+def _compile_cell(shell: Any, line: str, cell: str, number: int) -> tuple[Any, Any, str]:
+    """Compile the cell body so frames say 'cell [N] line L' with L counted from the %%xla line."""
+    shown = "%%xla" + (f" {line.strip()}" if line.strip() else "") + "\n" + cell
+    name = _cache_cell(shell, shown, number)
+    tree = shell.compile.ast_parse(shell.transform_cell(cell), filename=name)
+    tree = shell.transform_ast(tree)
+    ast.increment_lineno(tree, 1)  # line 1 of the cell is the %%xla line
+    flags = shell.compile.flags
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        expr = tree.body.pop()
+        if cell.rstrip().endswith(";"):  # a trailing ';' hides the value, as in a plain cell
+            tree.body.append(expr)
+        else:
+            last = compile(ast.Expression(expr.value), name, "eval", flags, True)
+    return compile(tree, name, "exec", flags, True), last, name
+
+
+def _namespace_tensors(shell: Any) -> list[tuple[str, Any]]:
+    """(variable name, XLA tensor) for each distinct tensor the user's variables hold."""
+    torch = _torch()
+    if torch is None:
+        return []
+    hidden = getattr(shell, "user_ns_hidden", {})
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    for name, value in list(shell.user_ns.items()):
+        if name.startswith("_") or (name in hidden and hidden[name] is value):
+            continue
+        if isinstance(value, torch.nn.Module):
+            params = list(value.parameters())
+            items = params + [p.grad for p in params if p.grad is not None] + list(value.buffers())
+        elif isinstance(value, torch.optim.Optimizer):
+            items = [t for state in value.state.values() for t in state.values()]
+        elif isinstance(value, (list, tuple)):
+            items = list(value)[:1000]
+        elif isinstance(value, dict):
+            items = list(value.values())[:1000]
+        else:
+            items = [value]
+        for t in items:
+            if isinstance(t, torch.Tensor) and _xla.is_xla_tensor(t) and id(t) not in seen:
+                seen.add(id(t))
+                found.append((name, t))
+    return found
+
+
+def _pending_hlo_report(shell: Any) -> str:
+    held = _namespace_tensors(shell)
+    flags = _xla.has_pending([t for _, t in held])
+    pending = [t for (_, t), f in zip(held, flags) if f]
+    names = list(dict.fromkeys(n for (n, _), f in zip(held, flags) if f))
+    if not pending:
+        return ("%%xla --hlo: no variable holds a pending XLA tensor before the sync (the cell synced "
+                "itself, e.g. with .item() or print, or its results are not stored in variables).")
+    head = (f"%%xla --hlo: pending graph of {plural(len(pending), 'tensor')} held by "
+            f"{', '.join(names[:8])}{' ...' if len(names) > 8 else ''}, before the sync:")
+    return head + "\n" + _xla.pending_hlo(pending).rstrip()
+
+
+def _event_line(ev: Any, where: str, hint: str | None, recompilation: bool) -> str:
+    took = "still compiling" if ev.end is None else f"{ev.duration:.1f} s"
+    flag = "recompilation" if recompilation else "compile"
+    text = f"  {flag} of graph {ev.graph_hash[:6] or '?'}… ({took}) at {where}: {ev.cause or 'cause not recorded'}"
+    return text + (f". {hint}" if hint else "")
+
+
+def _cell_event_lines(events: list, sync_from: int, number: int, delta: Any) -> list[str]:
+    """One line per compile; compiles of the closing sync are placed at the end of the cell."""
+    lines = []
+    hints: set[str] = set()
+    for ev in events:
+        hint, recompilation = ev.hint, ev.recompilation
+        if ev.index >= sync_from:
+            where = f"the end of cell [{number}] (the sync %%xla adds)"
+            if ev.user_frame is None or ev.user_frame.cell is None:
+                # No user location on the stack (only wrappers such as IPython 7's `decorator`
+                # frames): a "recompilation at the same location" would be meaningless.
+                hint, recompilation = None, False
+        else:
+            where = ev.where
+        lines.append(_event_line(ev, where, None if hint in hints else hint, recompilation))
+        hints.add(hint)  # each hint once per report
+    if not lines and delta.compiles and not compiles.tracing_enabled():
+        lines.append(f"  ({_NO_TRACING})")
+    return lines
+
+
+def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
+    """``%%xla``: run the cell, sync, print what it cost; the value of a last expression."""
+    __tracebackhide__ = True
+    if args.max_compiles is not None and args.max_compiles < 0:
+        raise usage(f"%%xla --max-compiles needs N >= 0 (0 asserts that the cell compiles nothing), not {args.max_compiles}.")
+    number = _cell_number(shell)
+    code, last, _name = _compile_cell(shell, line, cell, number)
+
+    before = _synced_snapshot()  # earlier cells' pending work is theirs, not this cell's
+    first_event = compiles.event_count()
+    exec(code, shell.user_global_ns, shell.user_ns)
+    value = eval(last, shell.user_global_ns, shell.user_ns) if last is not None else None
+    sync_from = compiles.event_count()
+    hlo = _pending_hlo_report(shell) if args.hlo and _xla.runtime_initialized() else None
+    after = _synced_snapshot()
+
+    delta = after - before
+    lines = _cell_event_lines(compiles.events_since(first_event), sync_from, number, delta)
+    if hlo is not None and not args.quiet:
+        print(hlo)
+    elif args.hlo and not args.quiet:
+        print("%%xla --hlo: nothing ran on an XLA device in this cell.")
+    if args.max_compiles is not None and delta.compiles > args.max_compiles:
+        message = (f"the cell compiled {plural(delta.compiles, 'graph')}, more than the {args.max_compiles} "
+                   f"allowed by %%xla --max-compiles {args.max_compiles}:\n" + "\n".join(lines or [f"  {delta}"]))
+        raise RecompilationError(message)
+    if not args.quiet:
+        print("\n".join([f"%%xla: {delta}"] + lines))
+    return value
+
+
+# ----------------------------------------------------------------- %xla_ir / %xla_hlo
+
+def _as_tensors(value: Any) -> list | None:
+    torch = _torch()
+    if torch is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return list(value)
+    return None
+
+
+def lazy_text(shell: Any, line: str, kind: str) -> None:
+    """``%xla_ir`` (kind "ir") / ``%xla_hlo`` (kind "hlo"): the pending graph of an expression's tensors."""
+    magic = "%xla_ir" if kind == "ir" else "%xla_hlo"
+    expr = line.strip()
+    if not expr:
+        raise usage(f"{magic} needs an expression that gives an XLA tensor, e.g. `{magic} loss`.")
+    try:
+        value = shell.ev(expr)
+    except Exception as exc:
+        raise usage(f"{magic}: evaluating `{expr}` raised {type(exc).__name__}: {exc}") from None
+    tensors = _as_tensors(value)
+    if tensors is None:
+        raise usage(f"{magic}: `{expr}` is of type {type(value).__name__}, not a tensor; give an expression "
+                    f"that evaluates to an XLA tensor (or a list of them).")
+    off = [t for t in tensors if not _xla.is_xla_tensor(t)]
+    if off:
+        raise usage(f"{magic}: `{expr}` is a tensor on {off[0].device}, not on an XLA device, so it has no "
+                    f"lazy graph; move it with .to(torch_xla.device()).")
+    if not any(_xla.has_pending(tensors)):
+        t = tensors[0]
+        what = (f"{str(t.dtype).replace('torch.', '')}{list(t.shape)} on {t.device}" if len(tensors) == 1
+                else f"{len(tensors)} tensors on {t.device}")
+        print(f"{magic}: `{expr}` is already materialised: device data ({what}) with nothing pending, so "
+              f"there is no graph to show. Use {magic} before the sync (or .item(), print, .cpu()) that computes it.")
+        return
+    text = _xla.pending_ir(tensors) if kind == "ir" else _xla.pending_hlo(tensors)
+    print(text.rstrip())
+
+
+# ----------------------------------------------------------------- %xla_watch
+
+class Watch:
+    """The pre/post cell callbacks of ``%xla_watch on`` (kept so unload removes these exact objects)."""
+
+    def __init__(self, stop: Callable[[], None]) -> None:
+        self.stop = stop  # turns watching off (the extension's stop_watch)
+        self.before: tuple[Any, int] | None = None
+
+    def pre(self, info: Any = None) -> None:
+        try:
+            self.before = (snapshot_now(), compiles.event_count())
+        except Exception as exc:
+            self._fail(exc)
+
+    def post(self, result: Any = None) -> None:
+        before, self.before = self.before, None
+        if before is None or not _xla.is_imported():
+            return
+        raw = getattr(getattr(result, "info", None), "raw_cell", None) or ""
+        if raw.lstrip().startswith("%%xla"):
+            return  # %%xla already reported this cell
+        try:
+            line = self._line(before, getattr(result, "execution_count", None))
+        except Exception as exc:
+            self._fail(exc)
+            return
+        if line:
+            print(line)
+
+    @staticmethod
+    def _line(before: tuple[Any, int], number: int | None) -> str | None:
+        delta = metrics.snapshot() - before[0]
+        if not delta.compiles and not delta.fallbacks:
+            return None
+        text = f"%xla_watch [{number}]: {delta}" if number is not None else f"%xla_watch: {delta}"
+        events = compiles.events_since(before[1])
+        if events:
+            ev = events[0]
+            flag = "recompilation" if ev.recompilation else "compile"
+            more = f" (+{len(events) - 1} more)" if len(events) > 1 else ""
+            text += f" — {flag} at {ev.where}: {ev.cause or 'cause not recorded'}{more}"
+        elif delta.compiles and not compiles.tracing_enabled():
+            text += " — causes unavailable (compile tracing is off)"
+        return text
+
+    def _fail(self, exc: Exception) -> None:
+        self.stop()
+        print(f"%xla_watch: turned off after an internal error ({type(exc).__name__}: {exc}).")
+
+
+def watch(ext: Any, state: str | None) -> None:
+    """``%xla_watch [on|off]``: turn ``ext``'s watch on or off, or say whether it is on."""
+    if ext is None:
+        return
+    if state is None:
+        print(f"%xla_watch is {'on' if ext.watch else 'off'}.")
+    elif state == "on":
+        ext.start_watch()
+        print("%xla_watch on: one line after each cell that compiles or falls back to the CPU.")
+    else:
+        ext.stop_watch()
+        print("%xla_watch off.")

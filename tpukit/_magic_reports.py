@@ -1,0 +1,91 @@
+"""What ``%tpu``, ``%xla_metrics`` and ``%xla_dashboard`` show, and the helpers every magic shares.
+
+The magics' argument parsing lives in ``tpukit.magics``; the bodies of the
+cell-running magics (``%%xla``, ``%xla_ir``, ``%xla_hlo``, ``%xla_watch``) in
+``tpukit._magic_cells``. IPython is imported inside the functions, never at
+import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+from . import _xla, events, metrics, runtime
+from ._text import table_html, table_text
+
+
+def usage(message: str) -> Exception:
+    """A one-line IPython usage error (shown without a traceback)."""
+    from IPython.core.error import UsageError
+
+    return UsageError(message)
+
+
+def show(text: str, html_text: str | None = None) -> None:
+    """Display text in a terminal and HTML in a notebook front end."""
+    from IPython.display import display
+
+    bundle = {"text/plain": text}
+    if html_text:
+        bundle["text/html"] = html_text
+    display(bundle, raw=True)
+
+
+def snapshot_now() -> metrics.Snapshot:
+    """The counters now, without importing torch_xla."""
+    # Counters start at zero when torch_xla is imported: before that, a zero snapshot is exact.
+    return metrics.snapshot() if _xla.is_imported() else metrics.Snapshot(time=time.time())
+
+
+# ----------------------------------------------------------------- %tpu
+
+def tpu(args: Any) -> None:
+    """Set the runtime up (idempotent) and show its report."""
+    if args.cpu_devices is not None and args.cpu_devices < 1:
+        raise usage(f"%tpu --cpu-devices needs a positive number of virtual CPU devices, not {args.cpu_devices}.")
+    try:
+        rt = runtime.setup(device=args.device, cpu_devices=args.cpu_devices, spmd=args.spmd,
+                           compile_cache=args.compile_cache, trace_compiles=not args.no_trace)
+    except ValueError as exc:
+        raise usage(f"%tpu: {exc}") from None
+    show(rt.report(), rt._repr_html_())
+
+
+# ----------------------------------------------------------------- %xla_metrics
+
+def xla_metrics(ext: Any, args: Any) -> None:
+    """The metrics table (or its change since ``ext``'s mark, or JSON); moves the mark to now."""
+    if not _xla.is_imported():
+        print("%xla_metrics: torch_xla is not imported yet, so nothing has run on an XLA device.")
+        return
+    now = metrics.snapshot(memory=args.full and _xla.runtime_initialized())
+    mark, label = (ext.metrics_mark, ext.metrics_mark_label) if ext else (None, "")
+    if ext is not None:
+        ext.metrics_mark, ext.metrics_mark_label = now, "since the previous %xla_metrics"
+    if args.reset:
+        print("%xla_metrics: baseline set; %xla_metrics --since-last counts from here.")
+        return
+    if args.since_last and mark is not None:
+        data: Any = now - mark
+        title = f"XLA metrics {label} ({data.seconds:.1f} s)"
+    else:
+        data = now
+        title = "XLA metrics since the runtime started"
+    if args.json:
+        print(json.dumps({"kind": "delta" if data is not now else "snapshot", **dataclasses.asdict(data)},
+                         sort_keys=True))
+        return
+    rows = metrics.table(data, full=args.full)
+    show(table_text(rows, title=title), table_html(rows, title=title, css_class="tpukit-metrics"))
+
+
+# ----------------------------------------------------------------- %xla_dashboard
+
+def xla_dashboard() -> None:
+    """Display the live compile/execute dashboard."""
+    from IPython.display import display
+
+    display(events.open_dashboard())

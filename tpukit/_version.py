@@ -1,0 +1,3 @@
+"""tpukit's version, in one place every module can import (pyproject.toml repeats it for packaging)."""
+
+__version__ = "0.1.0"

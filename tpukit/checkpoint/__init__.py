@@ -1,0 +1,32 @@
+"""Checkpoints that are never lost: ``save`` / ``load``, ``CheckpointManager``, ``export_pretrained``.
+
+A checkpoint is two files: the payload (``torch.save`` or safetensors) and a small
+JSON manifest next to it (format version, library versions, step, time, byte
+size and sha256 of the payload). Both are written to a temporary file in the
+same directory, fsynced and renamed over the target, payload first: the manifest
+is the commit marker, so a save killed at any moment leaves the previous
+checkpoint valid, and a payload whose manifest is missing or whose hash does not
+match is never loaded.
+
+Payloads load with ``torch.load(weights_only=True)`` (no code runs while
+unpickling), with numpy's array/scalar rebuilders allowed so numpy RNG states
+load too. To make that always possible, ``save`` rejects up front anything else:
+tensors, numbers, strings, bytes, None, dicts, lists, tuples, sets,
+``torch.Size/dtype/device`` and numeric numpy values are fine (so are torch and
+Python RNG states); modules, optimizers and other objects are not.
+
+torch_xla is touched only when the state holds XLA tensors (or a load targets an
+XLA device), so checkpoints load on plain CPU PyTorch.
+
+Modules, bottom to top: ``files`` (atomic writes, the sha256 loop, temp names),
+``format`` (the manifest, checkpoint file names), ``payload`` (torch/safetensors
+payloads and the up-front state check), ``saveload`` (save, load, verify, the CPU
+copy), ``manager`` (CheckpointManager) and ``export`` (export_pretrained).
+"""
+
+from .export import export_pretrained
+from .format import Manifest
+from .manager import CheckpointManager
+from .saveload import load, save, verify
+
+__all__ = ["CheckpointManager", "Manifest", "export_pretrained", "load", "save", "verify"]

@@ -1,0 +1,213 @@
+"""``CheckpointManager``: numbered checkpoints in one directory, kept, pruned and resumed."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, TpukitWarning
+from .files import remove_stale_temps
+from .format import (
+    MANIFEST_SUFFIX,
+    NAME_PREFIX,
+    SUFFIX,
+    check_weights_format,
+    checkpoint_name,
+    committed_steps,
+    parse_name,
+)
+from .payload import check_state
+from .saveload import commit, is_master, newest_valid, to_cpu
+
+log = logging.getLogger("tpukit")
+
+
+class CheckpointManager:
+    """Numbered checkpoints in one directory: save every N steps, keep the newest K, resume.
+
+    Files are ``ckpt-00000005.pt`` (or ``.safetensors``) plus ``ckpt-00000005.json``.
+    With ``async_save=True`` the CPU copy is taken during ``save`` and the disk
+    write runs in a background thread (at most one pending, so up to two CPU
+    copies exist at once); its errors surface on the next call or on ``wait()``.
+    """
+
+    def __init__(self, directory: str | os.PathLike, keep: int | None = 3, every: int | None = None,
+                 weights_format: str = "torch", async_save: bool = False):
+        if keep is not None and keep < 1:
+            raise CheckpointError(f"keep={keep} would delete every checkpoint; use keep >= 1, or None to keep all.")
+        if every is not None and every < 1:
+            raise CheckpointError(f"every={every} is not a step interval; use every >= 1, or None for every call.")
+        check_weights_format(weights_format)
+        self.directory = Path(directory)
+        self.keep, self.every, self.weights_format, self.async_save = keep, every, weights_format, async_save
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._pending_step: int | None = None
+        if is_master():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            remove_stale_temps(self.directory, NAME_PREFIX)
+
+    def __repr__(self) -> str:
+        steps = self.all_steps()
+        return f"CheckpointManager({str(self.directory)!r}, keep={self.keep}, every={self.every}, steps={steps})"
+
+    # -- writing
+
+    def save(self, step: int, **state: Any) -> bool:
+        """Save ``state`` (plus a "step" key) as checkpoint ``step``; returns False when ``every`` skips it.
+
+        Every replica calls it (all sync); only the master writes.
+        """
+        step = int(step)
+        if self.every is not None and step % self.every:
+            if self._thread is not None and not self._thread.is_alive():
+                self.wait()
+            return False
+        state = {"step": step, **state}
+        check_state(state, "state", self.weights_format)
+        master = is_master()
+        cpu_state = to_cpu(state, copy=self.async_save, master=master)
+        self.wait()
+        if not master:
+            return True
+        newest = self.all_steps()
+        if newest and newest[-1] > step:
+            warnings.warn(
+                f"Saving step {step} into {self.directory}, which already holds step {newest[-1]}: latest() and "
+                "restore() keep returning the newer one. Use a fresh directory for a new run.",
+                TpukitWarning, stacklevel=2,
+            )
+        if self.async_save:
+            self._pending_step = step
+            self._thread = threading.Thread(target=self._background, args=(step, cpu_state), name="tpukit-checkpoint")
+            self._thread.start()
+        else:
+            self._write(step, cpu_state)
+        return True
+
+    def _write(self, step: int, cpu_state: Any) -> None:
+        payload = self.directory / checkpoint_name(step, SUFFIX[self.weights_format])
+        commit(cpu_state, payload, self.weights_format, step)
+        self._prune(step)
+
+    def _background(self, step: int, cpu_state: Any) -> None:
+        try:
+            self._write(step, cpu_state)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            self._error = exc
+
+    def wait(self) -> None:
+        """Block until the pending background write finished; raise its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(f"Background save of step {self._pending_step} failed: {error}") from error
+
+    def _prune(self, saved: int) -> None:
+        """Keep ``saved`` and the newest ``keep - 1`` others; delete the rest, manifest first."""
+        steps = self.all_steps()
+        others = [s for s in steps if s != saved]
+        keep = set(others if self.keep is None else others[max(0, len(others) - self.keep + 1):]) | {saved}
+        for step in steps:
+            if step not in keep:
+                self._delete(step)
+        for name in os.listdir(self.directory):  # payloads whose save died before the manifest
+            parsed = parse_name(name)
+            if parsed and parsed[1] != MANIFEST_SUFFIX and parsed[0] < saved and parsed[0] not in keep:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.directory / name)
+
+    def _delete(self, step: int) -> None:
+        for suffix in (MANIFEST_SUFFIX, *SUFFIX.values()):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.directory / checkpoint_name(step, suffix))
+
+    # -- reading
+
+    def all_steps(self) -> list[int]:
+        """Steps that have a committed manifest, oldest first (``latest`` also verifies the payload)."""
+        return committed_steps(self.directory)
+
+    def latest_step(self) -> int | None:
+        """The step of the newest valid checkpoint, or None."""
+        self.wait()
+        found = newest_valid(self.directory, read=False)
+        return None if found is None else found[0]
+
+    def latest(self, device: Any = None) -> dict | None:
+        """The state of the newest valid checkpoint (damaged ones skipped with a warning), or None."""
+        self.wait()
+        found = newest_valid(self.directory, device)
+        return None if found is None else found[1]
+
+    def restore(self, model: torch.nn.Module | None = None, optimizer: Any = None, scheduler: Any = None,
+                step_var: torch.Tensor | None = None, *, strict: bool = True) -> int:
+        """Load the newest valid checkpoint into the given objects; returns its step (0 when there is none).
+
+        Tensors are read on the CPU and copied by ``load_state_dict`` onto the
+        device each parameter lives on (optimizer state follows its parameters,
+        with the same placement rules as a fresh run). ``step_var``, a tensor such
+        as an on-device step counter, is filled with the step in place.
+        """
+        state = self.latest()
+        if state is None:
+            log.info("no checkpoint in %s; starting from step 0", self.directory)
+            return 0
+        step = int(state["step"])
+        for key, target in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
+            if target is not None and key not in state:
+                raise CheckpointError(
+                    f"Checkpoint step {step} in {self.directory} has no {key!r} entry (it has {sorted(state)}); "
+                    f"save it with manager.save(step, {key}={key}.state_dict())."
+                )
+        if model is not None:
+            _check_keys(model, state["model"], strict, f"step {step} in {self.directory}")
+            model.load_state_dict(state["model"], strict=strict)
+        if optimizer is not None:
+            try:
+                optimizer.load_state_dict(state["optimizer"])
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise CheckpointError(
+                    f"The optimizer state of step {step} does not fit this optimizer ({exc}). Build the optimizer "
+                    "over the same parameters, in the same groups, as the run that saved it."
+                ) from exc
+        if scheduler is not None:
+            scheduler.load_state_dict(state["scheduler"])
+        if step_var is not None:
+            with torch.no_grad():
+                step_var.fill_(step)
+        return step
+
+
+def _check_keys(model: torch.nn.Module, saved: dict, strict: bool, where: str) -> None:
+    """Raise one CheckpointError listing missing, unexpected and shape-mismatched keys."""
+    own = model.state_dict()
+    problems = []
+
+    def listing(label: str, items: list[str]) -> None:
+        if items:
+            more = f" ... and {len(items) - 10} more" if len(items) > 10 else ""
+            problems.append(f"{label} ({len(items)}): {', '.join(items[:10])}{more}")
+
+    if strict:
+        listing("missing", [k for k in own if k not in saved])
+        listing("unexpected", [k for k in saved if k not in own])
+    listing("shape mismatch", [
+        f"{k} saved {tuple(saved[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in own if k in saved and isinstance(saved[k], torch.Tensor) and saved[k].shape != own[k].shape
+    ])
+    if problems:
+        raise CheckpointError(
+            f"Checkpoint {where} does not fit {type(model).__name__}: " + "; ".join(problems)
+            + ". Build the model with the configuration it was saved from "
+            "(or pass strict=False to skip missing/unexpected keys)."
+        )

@@ -1,0 +1,222 @@
+"""``save``, ``load`` and ``verify`` of one checkpoint, and the CPU copy of a state they share.
+
+The payload and then its manifest are each written atomically; the manifest is
+the commit marker, so a save killed at any moment leaves the previous checkpoint
+valid, and a payload whose manifest is missing or whose hash does not match is
+never loaded. torch_xla is touched only when the state holds XLA tensors (or a
+load targets an XLA device), so checkpoints load on plain CPU PyTorch.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import _xla, environment
+from .._tree import is_tensor, tree_leaves, tree_map
+from ..errors import CheckpointError, TpukitWarning
+from .._version import __version__
+from ..runtime import rank
+from .files import atomic_write, hash_file
+from .format import (
+    MANIFEST_SUFFIX,
+    Manifest,
+    check_weights_format,
+    checkpoint_name,
+    committed_steps,
+    manifest_path,
+)
+from .payload import check_state, read_payload, write_payload
+
+log = logging.getLogger("tpukit")
+
+
+# --------------------------------------------------------------------------- copying to CPU
+
+def is_master() -> bool:
+    """True on the replica that writes: rank 0 under tpukit.launch, global ordinal 0 otherwise."""
+    return rank() == 0
+
+
+def to_cpu(state: Any, copy: bool, master: bool = True) -> Any:
+    """The state with every tensor on the CPU (XLA tensors synced, gathered, copied in one batch).
+
+    Tensors that are one object (or one XLA tensor) stay one CPU tensor, so tied
+    weights stay tied. ``copy`` clones CPU tensors too (for a write that runs later).
+    Every replica must call it (the sync is collective); non-master replicas get None.
+    """
+    xla = [t for _, t in tree_leaves(state, is_tensor) if _xla.is_xla_tensor(t)]
+    if xla:
+        _xla.sync()  # every replica runs the pending step: the same graph the training loop launches
+    if not master:
+        return None
+    unique = {("xla", _xla.tensor_id(t)): t for t in reversed(xla)}
+    memo: dict[Any, torch.Tensor] = dict(zip(unique, _xla.to_cpu(list(unique.values())))) if xla else {}
+
+    def convert(t: torch.Tensor, _path: str) -> torch.Tensor:
+        key = ("xla", _xla.tensor_id(t)) if _xla.is_xla_tensor(t) else id(t)
+        if key not in memo:
+            cpu = t.detach().cpu()
+            memo[key] = cpu.clone() if copy and t.device.type == "cpu" else cpu
+        return memo[key]
+
+    return tree_map(convert, state, is_tensor)
+
+
+# --------------------------------------------------------------------------- writing
+
+def _write_error(target: Path, exc: OSError) -> CheckpointError:
+    what = exc.strerror or str(exc)
+    code = errno.errorcode.get(exc.errno or 0, "")
+    return CheckpointError(
+        f"Could not write checkpoint {target}: {what}{f' ({code})' if code else ''}. The previous checkpoint "
+        f"is untouched and no temporary file was left; free space or fix permissions in {target.parent}, "
+        "or save elsewhere."
+    )
+
+
+def commit(cpu_state: Any, payload: Path, weights_format: str, step: int | None) -> Manifest:
+    """Write payload then manifest, both atomically; the manifest commits the checkpoint."""
+    try:
+        size, sha = atomic_write(payload, lambda tmp: write_payload(cpu_state, tmp, weights_format))
+        v = environment.versions()
+        manifest = Manifest(
+            payload=payload.name, weights_format=weights_format, step=step, time=time.time(), bytes=size,
+            sha256=sha, tpukit=__version__, torch=v.get("torch"), torch_xla=v.get("torch_xla"),
+        )
+        text = manifest.to_json()
+        atomic_write(manifest_path(payload), lambda tmp: tmp.write_text(text))
+    except OSError as exc:
+        raise _write_error(payload, exc) from exc
+    log.info("checkpoint saved: %s (%d bytes, step %s)", payload, size, step)
+    return manifest
+
+
+def _weights_format(path: Path, weights_format: str | None) -> str:
+    return check_weights_format(weights_format or ("safetensors" if path.suffix == ".safetensors" else "torch"))
+
+
+def save(
+    state: Any, path: str | os.PathLike, *, step: int | None = None, weights_format: str | None = None
+) -> Manifest | None:
+    """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) atomically to ``path``.
+
+    Syncs pending XLA work, copies XLA tensors to the CPU (sharded ones whole),
+    writes the payload and then its manifest (``path`` with a ``.json`` suffix)
+    from the master replica only. ``weights_format`` is "torch" (default) or
+    "safetensors" (no pickle; the default when ``path`` ends in ``.safetensors``).
+    Returns the manifest, or None on replicas that do not write.
+    """
+    path = Path(path)
+    fmt = _weights_format(path, weights_format)
+    if path.suffix == MANIFEST_SUFFIX:
+        raise CheckpointError(f"Cannot save a checkpoint to {path}: .json is the manifest's suffix. Use e.g. .pt.")
+    check_state(state, "state", fmt)
+    if step is None and isinstance(state, dict) and type(state.get("step")) is int:
+        step = state["step"]
+    master = is_master()
+    if master and not path.parent.is_dir():
+        raise CheckpointError(f"Cannot save to {path}: directory {path.parent} does not exist. Create it first.")
+    other = _manifest_owner(path) if master else None
+    if other is not None and other != path.name and (path.parent / other).exists():
+        raise CheckpointError(
+            f"Cannot save to {path}: its manifest {manifest_path(path).name} already belongs to {other}, "
+            "which would become unloadable. Use a different file name."
+        )
+    cpu_state = to_cpu(state, copy=False, master=master)
+    return commit(cpu_state, path, fmt, step) if master else None
+
+
+def _manifest_owner(path: Path) -> str | None:
+    """The payload named by the manifest ``path`` would use, if one exists and is readable."""
+    try:
+        return Manifest.read(manifest_path(path)).payload
+    except CheckpointError:
+        return None
+
+
+# --------------------------------------------------------------------------- reading
+
+def verify(path: str | os.PathLike) -> Manifest:
+    """Check a checkpoint against its manifest (presence, size, sha256); returns the manifest or raises."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"No checkpoint at {path}: the file does not exist. Check the path.")
+    manifest = Manifest.read(manifest_path(path))
+    if manifest.payload != path.name:
+        raise CheckpointError(
+            f"Manifest {manifest_path(path)} belongs to {manifest.payload}, not {path.name}: two checkpoints "
+            "share a manifest name. Load the one it names, or save under distinct names."
+        )
+    with open(path, "rb") as f:
+        size, sha = hash_file(f)
+    if size != manifest.bytes or sha != manifest.sha256:
+        why = f"has {size} bytes, expected {manifest.bytes}" if size != manifest.bytes else "does not match its sha256"
+        raise CheckpointError(
+            f"Checkpoint {path} is corrupt: it {why} (truncated or damaged on disk). Load an older checkpoint."
+        )
+    return manifest
+
+
+def _read(path: Path, manifest: Manifest, device: Any) -> Any:
+    try:
+        state = read_payload(path, manifest.weights_format)
+    except Exception as exc:  # noqa: BLE001 - hash matched, so the payload itself is bad
+        raise CheckpointError(f"Checkpoint {path} passed its hash check but could not be read: {exc}") from exc
+    if device is None or torch.device(device).type == "cpu":
+        return state
+    memo: dict[int, torch.Tensor] = {}
+
+    def place(t: torch.Tensor, _path: str) -> torch.Tensor:  # one tensor stays one tensor (tied weights)
+        if id(t) not in memo:
+            memo[id(t)] = t.to(device)
+        return memo[id(t)]
+
+    return tree_map(place, state, is_tensor)
+
+
+def newest_valid(directory: Path, device: Any = None, read: bool = True) -> tuple[int, Any] | None:
+    """``(step, state)`` of the newest checkpoint in ``directory`` that verifies, or None.
+
+    Damaged checkpoints (missing or unreadable manifest, wrong size or hash, a
+    payload that does not read) are skipped with a warning naming the step.
+    With ``read=False`` the payload is only verified and the state is None.
+    """
+    for step in reversed(committed_steps(directory)):
+        try:
+            payload = directory / Manifest.read(directory / checkpoint_name(step, MANIFEST_SUFFIX)).payload
+            manifest = verify(payload)
+            return step, (_read(payload, manifest, device) if read else None)
+        except (CheckpointError, OSError) as exc:
+            # stacklevel 3: the caller of the public function (load, latest, latest_step)
+            warnings.warn(f"Skipping checkpoint step {step} in {directory}: {exc}", TpukitWarning, stacklevel=3)
+    return None
+
+
+def load(path: str | os.PathLike, device: Any = None) -> Any:
+    """Load a verified checkpoint: CPU tensors, or tensors placed on ``device``.
+
+    ``path`` is a payload written by ``save`` or a ``CheckpointManager`` directory
+    (its newest valid checkpoint). Raises CheckpointError for anything missing,
+    truncated or altered.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return _read(path, verify(path), device)
+    steps = committed_steps(path)
+    if not steps:
+        raise CheckpointError(
+            f"No checkpoint in directory {path}: it holds no ckpt-*.json manifests. "
+            "Pass a checkpoint file, or a directory written by CheckpointManager."
+        )
+    found = newest_valid(path, device)
+    if found is None:
+        raise CheckpointError(f"No valid checkpoint in {path}: all {len(steps)} are damaged (see the warnings).")
+    return found[1]

@@ -1,0 +1,177 @@
+"""``track()``: a data loader wrapped so each step is synced once, timed and recorded.
+
+All of one loop's state lives in its :class:`Tracker` (its clock, history,
+guard, progress bar), so loops in several threads (``launch()`` runs one
+thread per device) never share anything but the listener registry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Any, Iterable, Iterator
+
+from . import _tree, _xla, events, steps
+from .guards import StepGuard
+from .spmd import device_loader
+from .steps import StepRecord
+
+_END = object()
+
+
+def batch_size_of(batch: Any) -> int | None:
+    """The first dimension of the first tensor in a batch (nested dicts/lists/tuples), or None."""
+    for _, leaf in _tree.tree_leaves(batch, lambda x: hasattr(x, "shape")):
+        if len(leaf.shape) > 0:
+            return int(leaf.shape[0])
+    return None
+
+
+def to_device(batch: Any, device: Any) -> Any:
+    """Move every tensor of a (nested) batch to ``device``; Mappings such as
+    transformers' BatchEncoding become plain dicts when they cannot be rebuilt."""
+    def move(t: Any, _path: str) -> Any:
+        return t if t.device == device else t.to(device)
+
+    return _tree.tree_map(move, batch, lambda x: hasattr(x, "to") and hasattr(x, "device"))
+
+
+class Tracker:
+    """Iterable returned by :func:`track`; holds the step history of the loop."""
+
+    def __init__(self, iterable: Iterable, total: int | None, device: Any, mesh: Any, progress: bool,
+                 desc: str | None, guard: StepGuard | None, dashboard: bool, batch_size: int | None):
+        self.iterable = iterable
+        self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
+        self.device = device
+        self.mesh = mesh
+        self.progress = progress
+        self.desc = desc
+        self.guard = guard
+        self.batch_size = batch_size
+        self.history: list[StepRecord] = []
+        self.dashboard = None
+        self._want_dashboard = dashboard
+        self.started: float | None = None
+        self.finished: float | None = None
+
+    def __len__(self) -> int:
+        if self.total is None:
+            raise TypeError("this tracker wraps an iterable without a length")
+        return self.total
+
+    def _source(self) -> tuple[Iterator, bool]:
+        """The batch iterator and whether it syncs by itself (torch_xla's device loader does)."""
+        from torch.utils.data import DataLoader
+
+        if isinstance(self.iterable, DataLoader) or self.mesh is not None:
+            return iter(device_loader(self.iterable, mesh=self.mesh, device=self.device)), True
+        return iter(self.iterable), False
+
+    def __iter__(self) -> Iterator:
+        if self.device is None:
+            self.device = _xla.device()
+        if self._want_dashboard and self.dashboard is None:
+            self.dashboard = dashboard(batch_size=self.batch_size)
+        source, self_syncing = self._source()
+        bar = _progress_bar(self.total, self.desc) if self.progress else None
+        steps.loop_started()  # first, so the flush below is not a free-standing step
+        _xla.sync()  # flush work queued before the loop so step 1 measures only itself
+        clock = steps.Clock()
+        steps.ensure_hook()
+        self.started = time.time()
+        events.call("on_track_start", self)
+        completed = False
+        try:
+            # A step's logged values are read, and its record published, once the
+            # *next* step has been traced and just before that step's sync: the
+            # host never waits for the device while it could be tracing, and the
+            # sync would have waited for the previous execution anyway.
+            held: tuple[StepRecord, list] | None = None
+            batch = next(source, _END)
+            while batch is not _END:
+                if not self_syncing:
+                    batch = to_device(batch, self.device)
+                n = self.batch_size or batch_size_of(batch)
+                yield batch
+                if held is not None:
+                    self._record(*held, bar)
+                    held = None
+                if not self_syncing:
+                    _xla.sync()
+                batch = next(source, _END)  # torch_xla's device loader syncs the step here
+                held = (clock.tick({}, n), steps.take_synced())
+            if held is not None:
+                self._record(*held, bar)
+            completed = True
+        finally:
+            steps.loop_ended()
+            self.finished = time.time()
+            if bar is not None:
+                bar.close()
+            events.call("on_track_end", self)
+            if completed and self.dashboard is not None:
+                self.dashboard.report()
+
+    def _record(self, rec: StepRecord, values: list, bar: Any) -> None:
+        if values:
+            rec = dataclasses.replace(rec, scalars=steps.read_values(values))
+        self.history.append(rec)
+        events.call("on_step", rec)
+        if bar is not None:
+            bar.update(1)
+            if rec.scalars:
+                bar.set_postfix({k: f"{v:.4g}" for k, v in list(rec.scalars.items())[:3]}, refresh=False)
+        if self.guard is not None:
+            self.guard.check(rec)
+
+    def step_times(self) -> list[float]:
+        """Wall seconds of each step."""
+        return [r.wall for r in self.history]
+
+    def summary(self) -> dict:
+        """Steps, compiles, recompilations, median step time and the last scalars of the loop."""
+        h = self.history
+        steady = [r.wall for r in h if r.compiles == 0] or [r.wall for r in h]
+        return {
+            "steps": len(h),
+            "compiles": sum(r.compiles for r in h),
+            "recompilations": sum(len(r.recompilations) for r in h),
+            "median_step_s": statistics.median(steady) if steady else math.nan,
+            "total_s": (self.finished or time.time()) - (self.started or time.time()),
+            "last_scalars": dict(h[-1].scalars) if h else {},
+        }
+
+
+def _progress_bar(total: int | None, desc: str | None):
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is a dependency, but never let progress break training
+        return None
+    return tqdm(total=total, desc=desc or "steps", unit="step", leave=True)
+
+
+def track(iterable: Iterable, *, total: int | None = None, device: Any = None, mesh: Any = None,
+          progress: bool = True, desc: str | None = None, guard: StepGuard | None = None,
+          dashboard: bool = False, batch_size: int | None = None) -> Tracker:
+    """Wrap a data loader: batches arrive on the device, each step is synced once and recorded.
+
+    Use it as a plain ``for`` loop. A ``torch.utils.data.DataLoader`` (or any
+    loader when ``mesh`` is given) goes through torch_xla's parallel loader, which
+    overlaps host-to-device copies with compute; other iterables are moved batch
+    by batch. Progress shows with tqdm.auto unless ``progress=False``. ``guard``
+    takes :func:`~tpukit.no_recompile_after`; ``dashboard=True`` opens the live
+    dashboard and renders its static report at the end. The returned
+    :class:`Tracker` keeps ``history`` (one :class:`StepRecord` per step) and ``summary()``.
+    """
+    return Tracker(iterable, total, device, mesh, progress, desc, guard, dashboard, batch_size)
+
+
+def dashboard(**options: Any) -> Any:
+    """Open the live compile/execute dashboard (``tpukit.widgets.Dashboard``) and return it.
+
+    Widgets in a notebook front end, a periodic text summary elsewhere.
+    """
+    return events.open_dashboard(**options)
