@@ -25,7 +25,7 @@ def run_python(code: str, env: dict | None = None, timeout: float = 300,
 
     ``drop``: prefixes of further environment variables the child must not inherit.
     """
-    dropped = ("PT_XLA_DEBUG", "CPU_NUM_DEVICES", "XLA_USE_SPMD") + tuple(drop)
+    dropped = ("PT_XLA_DEBUG", "CPU_NUM_DEVICES", "XLA_USE_SPMD", "XLA_FLAGS") + tuple(drop)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout)

@@ -321,10 +321,13 @@ def first_dim_sharding(mesh: Any, axis: str, check: Callable[[Any], None] | None
     return _FirstDimSharding(mesh, axis, check)
 
 
-def mp_device_loader(loader: Any, dev: Any, input_sharding: Any = None):
-    """``MpDeviceLoader``: background host-to-device copies; syncs before yielding each batch."""
+def mp_device_loader(loader: Any, dev: Any, input_sharding: Any = None, sync_each_batch: bool = True):
+    """``MpDeviceLoader``: background host-to-device copies; syncs before yielding each batch
+    unless ``sync_each_batch`` is False (then only when the loader is exhausted)."""
     pl = _module("torch_xla.distributed.parallel_loader")
     kwargs = {} if input_sharding is None else {"input_sharding": input_sharding}
+    if not sync_each_batch:
+        kwargs["batches_per_execution"] = sys.maxsize  # its next() never syncs: the caller does
     return pl.MpDeviceLoader(loader, dev, **kwargs)
 
 

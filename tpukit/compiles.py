@@ -4,9 +4,10 @@ With ``PT_XLA_DEBUG_LEVEL=1`` and ``PT_XLA_DEBUG_FILE`` set before torch_xla sta
 (``tpukit.setup()`` does that), torch_xla appends a "Compilation Analysis" block
 when a compilation starts and a "Post Compilation Analysis" block when it ends.
 :class:`CompileLog` tails that file incrementally (only new bytes are read) and
-turns the blocks into :class:`CompileEvent` records. When the same user code
-location produces yet another graph after warm-up, the event is flagged as a
-recompilation with a one-sentence hint.
+turns the blocks into :class:`CompileEvent` records. Each compile is matched
+with the HLO XLA dumped for it (:mod:`tpukit.graphs`) and classified by the
+alarm contract of :mod:`tpukit.classify`: a new graph, an expected compile, or a
+recompilation, with the evidence and a hint for its cause.
 """
 
 from __future__ import annotations
@@ -18,13 +19,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import _ipython, _xla, events, metrics, runtime
+from . import _ipython, _xla, classify, events, graphs, metrics, runtime
+from .graphs import Graph
 
-# Graphs per code location that count as warm-up: a training step compiles once
-# before the optimizer has state and once more for the steady step (on the next
-# sync). A location's third graph, or a second one after a steady stretch, is a
-# recompilation.
-WARMUP_GRAPHS = 2
+PENDING = "compile"  # kind of an event not classified yet (still compiling)
+_LABELS = {classify.NEW: "new graph", classify.EXPECTED: "expected compile",
+           classify.RECOMPILATION: "recompilation", PENDING: "compile"}
 FORCED_CAUSE = "access tensor value"
 _FRAME_RE = re.compile(r"^\s*(?P<func>.+?) \((?P<file>.*):(?P<line>\d+)\)\s*$")
 # Installed packages (torch, torch_xla, IPython, decorator, ...) and tpukit itself
@@ -82,6 +82,10 @@ class CompileEvent:
     frames: tuple[Frame, ...]
     recompilation: bool = False
     hint: str | None = None
+    kind: str = PENDING          # "new graph", "expected", "recompilation" (see tpukit.classify)
+    evidence: tuple[str, ...] = ()
+    graph: Graph | None = None   # the compiled HLO, reduced (size, inputs, outputs)
+    analysis: str = ""           # torch_xla's own "Compilation Analysis" text
 
     @property
     def compiling(self) -> bool:
@@ -119,12 +123,35 @@ class CompileEvent:
         f = self.user_frame
         return str(f) if f else "unknown location"
 
+    @property
+    def cut(self) -> str:
+        """What cut the graph: "step" (a sync), "loader sync" (torch_xla's device loader), "forced read"."""
+        if self.forced:
+            return "forced read"
+        if any("parallel_loader" in f.filename for f in self.frames):
+            return "loader sync"
+        return "step"
+
+    @property
+    def name(self) -> str:
+        """A name a person recognizes: ``step graph at cell [4] line 9 (312 ops, 12 -> 9)``."""
+        size = f" ({self.graph.size})" if self.graph is not None else f" ({self.inputs} -> {self.outputs})"
+        return f"{self.cut} graph at {self.where}{size}"
+
+    @property
+    def label(self) -> str:
+        """"new graph", "expected compile", "recompilation" or "compile" (not classified yet)."""
+        return _LABELS.get(self.kind, self.kind)
+
     def describe(self) -> str:
-        """One line: what compiled, for how long, why and where."""
+        """One line: what compiled, for how long, what kind, the evidence and the hint; hash last."""
         took = "still compiling" if self.end is None else f"{self.duration:.1f} s"
-        flag = "recompilation" if self.recompilation else "compile"
-        text = f"{flag} of graph {self.graph_hash[:6]}… ({took}) at {self.where}: {self.cause}"
-        return text + (f". {self.hint}" if self.hint else "")
+        text = f"{self.label}: {self.name}, {took}"
+        if self.evidence:
+            text += ": " + "; ".join(self.evidence)
+        if self.hint:
+            text += f". {self.hint[0].upper()}{self.hint[1:]}"
+        return text + f" [graph {self.graph_hash[:8]}]"
 
 
 # ----------------------------------------------------------------- cell mapping
@@ -167,32 +194,25 @@ def parse_block(lines: list[str]) -> dict:
     return out
 
 
-def hint_for(event: CompileEvent, previous: CompileEvent | None) -> str:
-    """One sentence saying the likely reason a location compiled another graph."""
-    if event.forced:
-        return ("A tensor value was read before the step's sync (.item(), print, .cpu() or Python control "
-                "flow on a tensor), which cuts the step in two graphs: log it with tpukit.log() or read it after the sync.")
-    if previous is not None and (previous.inputs, previous.outputs) != (event.inputs, event.outputs):
-        return ("This line produced a graph with a different number of inputs/outputs than before: the traced code "
-                "took another path (Python control flow, a new tensor captured, or a changing Python scalar).")
-    return ("This line produced a new graph with the same inputs: most likely a tensor shape changed "
-            "(pad or bucket with tpukit.data) or a Python scalar that varies is baked into the graph (pass it as a tensor).")
-
-
 class CompileLog:
     """Incremental reader of one compile-trace file; thread-safe and cheap to poll."""
 
-    def __init__(self, path: str | None, warmup_graphs: int = WARMUP_GRAPHS):
+    def __init__(self, path: str | None, hlo_dir: str | None = None):
         self.path = path
-        self.warmup_graphs = warmup_graphs
+        self.hlo = graphs.HloDump(hlo_dir)
+        self.classifier = classify.Classifier()
+        self.inputs: classify.Signature | None = None  # the batch of the step being traced
+        self.declared: frozenset = frozenset()         # shapes the loop declared (buckets)
         self._lock = threading.Lock()
         self._offset = 0
         self._partial = ""
         self._block: list[str] | None = None
         self._events: list[CompileEvent] = []
-        self._graphs_at: dict[tuple, list[tuple[str, int]]] = {}  # location -> [(graph hash, sync no)]
         self._in_post = False
-        self._last_at: dict[tuple, CompileEvent] = {}
+        self._event_inputs: dict[int, classify.Signature | None] = {}
+        self._graph_of: dict[int, Graph] = {}
+        self._next_graph = 0  # first graph of self.hlo.graphs not matched to an event yet
+        self._ended_at: dict[int, float] = {}
 
     @property
     def enabled(self) -> bool:
@@ -233,11 +253,10 @@ class CompileLog:
             for line in lines:
                 self._feed(line, now, changed)
         self._end_by_count(now, changed)
-        if len(self._events) > first_new:
-            self._classify(range(first_new, len(self._events)), changed)
         ended = [e for e in changed if e.end is not None]
         if ended:
             self._fix_times(ended, changed)
+        self._classify_ended(now, changed)
         return changed
 
     @staticmethod
@@ -292,46 +311,62 @@ class CompileLog:
             fixed = dataclasses.replace(ev, start=end - seconds, end=end)
             self._events[ev.index] = fixed
             changed[changed.index(ev)] = fixed
+            self._ended_at[ev.index] = time.time()
 
     def _start_event(self, block: list[str], now: float) -> CompileEvent:
         fields = parse_block(block)
         frames = tuple(_with_cell(f) for f in fields["frames"])
         ev = CompileEvent(index=len(self._events), start=now, end=None, cause=fields["cause"],
                           graph_hash=fields["graph_hash"], inputs=fields["inputs"],
-                          outputs=fields["outputs"], frames=frames)
+                          outputs=fields["outputs"], frames=frames, analysis="\n".join(block).strip())
         self._events.append(ev)
+        self._event_inputs[ev.index] = self.inputs
         return ev
 
-    def _classify(self, indices: range, changed: list[CompileEvent]) -> None:
-        """Flag the events started in this poll that are recompilations, with a hint.
+    def _match_graphs(self) -> None:
+        """Pair events with the HLO modules XLA dumped, in compile order, checking the
+        (inputs, outputs) counts so a module without an event never shifts the rest."""
+        if self.hlo.poll() and len(self.hlo.graphs) == 1:
+            runtime.release_hlo_dump_flags()  # XLA read them at its first compile
+        pool = self.hlo.graphs
+        for ev in self._events:
+            if ev.index in self._graph_of or ev.kind != PENDING:
+                continue
+            for k in range(self._next_graph, len(pool)):
+                g = pool[k]
+                if (len(g.inputs), len(g.outputs)) == (ev.inputs, ev.outputs):
+                    self._graph_of[ev.index] = g
+                    self._next_graph = k + 1
+                    break
+            else:
+                return
 
-        Each compile is dated by the sync it belongs to. torch_xla counts a sync
-        (MarkStep) after its compilation, so a compile still running belongs to
-        the next count.
-        """
-        count = _sync_count()
-        for i in indices:
-            ev = self._events[i]
-            sync_no = count if ev.end is not None else count + 1
+    def _classify_ended(self, now: float, changed: list[CompileEvent]) -> None:
+        """Classify events whose compilation ended (with their graph once XLA dumped it)."""
+        if not any(e.kind == PENDING and e.end is not None for e in self._events[-8:]) and \
+                not any(e.kind == PENDING and e.end is not None for e in changed):
+            return
+        self._match_graphs()
+        for i, ev in enumerate(self._events):
+            if ev.kind != PENDING or ev.end is None:
+                continue
+            graph = self._graph_of.get(i)
+            if graph is None and self.hlo.path and now - self._ended_at.setdefault(i, now) < 2.0:
+                continue  # its HLO file may still be on its way
             user = ev.user_frames
-            key = tuple((f.filename, f.line) for f in user) or ("<unknown>",)
-            seen = self._graphs_at.setdefault(key, [])
-            new = ev
-            if ev.forced:
-                new = dataclasses.replace(new, hint=hint_for(ev, None))
-            if all(g != ev.graph_hash for g, _ in seen):
-                # Warm-up: a location may compile a second graph on the very next
-                # sync (the step after the optimizer created its state). A third
-                # graph, or a second one after a steady stretch, is a recompilation.
-                late = bool(seen) and sync_no - seen[0][1] >= 2
-                if user and (len(seen) >= self.warmup_graphs or late):
-                    new = dataclasses.replace(new, recompilation=True, hint=hint_for(ev, self._last_at.get(key)))
-                seen.append((ev.graph_hash, sync_no))
-                self._last_at[key] = ev
-            if new is not ev:
-                self._events[i] = new
-                changed[:] = [dataclasses.replace(new, end=c.end, start=c.start) if c.index == i else c
-                              for c in changed]
+            place = tuple((f.filename, f.line) for f in (user or ev.frames)) or ("<unknown>",)
+            found = self.classifier.classify(place, graph, self._event_inputs.pop(i, None),
+                                             (ev.inputs, ev.outputs), self.declared)
+            hint = classify.FORCED_HINT if ev.forced and found.kind == classify.NEW else found.hint
+            new = dataclasses.replace(ev, kind=found.kind, evidence=found.evidence, hint=hint, graph=graph,
+                                      recompilation=found.kind == classify.RECOMPILATION)
+            self._events[i] = new
+            for k, c in enumerate(changed):
+                if c.index == i:
+                    changed[k] = new
+                    break
+            else:
+                changed.append(new)
 
     def compiling_now(self) -> CompileEvent | None:
         """The compilation running right now (after a poll), or None."""
@@ -342,10 +377,6 @@ class CompileLog:
                     return ev
                 break
         return None
-
-
-def _sync_count() -> int:
-    return int(_xla.counter_value("MarkStep") or 0) if _xla.is_imported() else 0
 
 
 def _compile_count() -> int:
@@ -367,7 +398,7 @@ def log() -> CompileLog:
     with _LOGS_LOCK:
         key = path or ""
         if key not in _LOGS:
-            _LOGS[key] = CompileLog(path)
+            _LOGS[key] = CompileLog(path, runtime.hlo_dir())
         return _LOGS[key]
 
 
@@ -393,3 +424,13 @@ def event_count() -> int:
     lg = log()
     lg.poll()
     return len(lg.events)
+
+
+def note_inputs(batch_signature: classify.Signature | None) -> None:
+    """Tell the classifier the batch of the step being traced (``((path, shape, dtype), ...)``)."""
+    log().inputs = batch_signature
+
+
+def declare_shapes(shapes) -> None:
+    """Shapes (tuples) or lengths (ints) the running loop expects to compile for: no alarm for those."""
+    log().declared = frozenset(tuple(s) if isinstance(s, (tuple, list)) else int(s) for s in (shapes or ()))

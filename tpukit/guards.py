@@ -64,7 +64,7 @@ class expect_compiles:
 
 
 class StepGuard:
-    """Raises RecompilationError when a step after warm-up compiles (see :func:`no_recompile_after`)."""
+    """Raises RecompilationError when a step after warm-up recompiles (see :func:`no_recompile_after`)."""
 
     def __init__(self, warmup_steps: int):
         if not isinstance(warmup_steps, int) or warmup_steps < 0:
@@ -75,12 +75,22 @@ class StepGuard:
     def check(self, rec: StepRecord) -> None:
         """Called by track() after each step."""
         self.seen += 1
-        if self.seen > self.warmup_steps and rec.compiles:
+        if self.seen <= self.warmup_steps or not rec.compiles:
+            return
+        alarms = list(rec.recompilations)
+        if alarms:
+            raise RecompilationError(
+                f"step {rec.step} recompiled after {self.warmup_steps} warm-up step(s):\n"
+                + compile_lines(alarms, len(alarms)))
+        if not rec.compile_events:  # no causes recorded (tracing off): every compile counts
             raise RecompilationError(
                 f"step {rec.step} compiled {rec.compiles} graph(s) after {self.warmup_steps} warm-up step(s):\n"
-                + compile_lines(list(rec.compile_events), rec.compiles))
+                + compile_lines([], rec.compiles))
 
 
 def no_recompile_after(warmup_steps: int = 2) -> StepGuard:
-    """A guard for ``track(..., guard=...)``: any compile after ``warmup_steps`` steps raises."""
+    """A guard for ``track(..., guard=...)``: a recompilation (the same computation compiled
+    again for a changed shape or value) after ``warmup_steps`` steps raises, naming its cause
+    and line. New graphs (a new code path, the optimizer's state) and expected compiles (a
+    declared bucket) never raise. Without compile tracing, any compile after warm-up raises."""
     return StepGuard(warmup_steps)

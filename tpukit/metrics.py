@@ -142,6 +142,14 @@ def compile_samples() -> list[tuple[float, float]]:
     return [(float(t), float(v) * NS) for t, v in data[2]]
 
 
+def execute_samples() -> list[tuple[float, float]]:
+    """``[(end_unix_time, seconds), ...]`` of recent executions, dispatch to completion (they overlap)."""
+    data = _xla.metric_data("ExecuteTime")
+    if not data:
+        return []
+    return [(float(t), float(v) * NS) for t, v in data[2]]
+
+
 def table(d: Snapshot | Delta, full: bool = False) -> list[tuple[str, str]]:
     """Readable (name, value) rows of a snapshot or delta, for the magics and reporters."""
     rows = [

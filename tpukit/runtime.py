@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 
 from ._version import __version__
-from . import _xla, environment
+from . import _xla, environment, graphs
 from ._text import table_html, table_text
 from .errors import DeviceNotFoundError, TorchXlaMissingError, VersionMismatchError
 
@@ -146,6 +146,40 @@ def _inherited(path: str) -> bool:
     return bool(m) and int(m.group(1)) != os.getpid()
 
 
+HLO_SUFFIX = ".hlo"
+_DUMP_FLAG = re.compile(r"--xla_dump_to=\S*tpukit-[^\s/\\]*[/\\]compiles-\d+\.log\.hlo\S*|--xla_dump_hlo_as_text|"
+                        r"--xla_dump_hlo_pass_re=\^\$")
+
+
+def _configure_hlo_dump(trace: str) -> None:
+    """Have XLA dump each compiled graph's HLO next to the trace file (only when it compiles),
+    unless the user dumps somewhere already; drops another process's tpukit dump flags."""
+    flags = _DUMP_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).split()
+    if any(f.startswith("--xla_dump_to") for f in flags):
+        os.environ["XLA_FLAGS"] = " ".join(flags)
+        return  # the user's own dump wins; compile evidence then comes from the batches alone
+    folder = trace + HLO_SUFFIX
+    os.makedirs(folder, exist_ok=True)
+    os.environ["XLA_FLAGS"] = " ".join(flags + graphs.dump_flags(folder).split())
+
+
+def release_hlo_dump_flags() -> None:
+    """Remove tpukit's dump flags from XLA_FLAGS once XLA has read them (at its first compile),
+    so processes started from here (``!python train.py``) do not dump into this process's folder."""
+    rest = _DUMP_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).split()
+    if rest:
+        os.environ["XLA_FLAGS"] = " ".join(rest)
+    else:
+        os.environ.pop("XLA_FLAGS", None)
+
+
+def hlo_dir() -> str | None:
+    """The folder XLA dumps this process's compiled graphs into (next to the trace file), if any."""
+    trace = trace_file()
+    folder = trace + HLO_SUFFIX if trace else None
+    return folder if folder and os.path.isdir(folder) else None
+
+
 def _new_trace_path() -> str:
     folder = os.path.join(tempfile.gettempdir(), f"tpukit-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
     os.makedirs(folder, exist_ok=True)
@@ -230,6 +264,7 @@ def configure(req: Request | None = None, env: environment.Environment | None = 
             trace = _CONFIGURED_TRACE = _new_trace_path()
             os.environ[TRACE_LEVEL_ENV] = "1"
             os.environ[TRACE_FILE_ENV] = trace
+            _configure_hlo_dump(trace)
         elif trace is None:
             problems.append(
                 "Compile causes are unavailable: torch_xla was imported before tpukit configured compile "

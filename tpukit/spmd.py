@@ -132,7 +132,8 @@ def sharding_spec(tensor: Any) -> str:
     return _xla.sharding_spec(tensor)
 
 
-def device_loader(loader: Any, mesh: Any = None, device: Any = None, axis: str = "data") -> Any:
+def device_loader(loader: Any, mesh: Any = None, device: Any = None, axis: str = "data",
+                  sync: bool = True) -> Any:
     """Wrap a DataLoader (or any iterable of batches) so batches arrive on the device.
 
     Uses torch_xla's ``MpDeviceLoader``: a background thread copies the next
@@ -140,15 +141,17 @@ def device_loader(loader: Any, mesh: Any = None, device: Any = None, axis: str =
     yielding each batch, so a loop over it needs no explicit sync. With a mesh,
     every tensor is split along dim 0 over ``axis`` as it is copied (use
     ``drop_last=True`` so every batch divides evenly; an indivisible batch raises
-    ``ShardingError`` when the loader reaches it).
+    ``ShardingError`` when the loader reaches it). ``sync=False`` keeps the
+    background copies but leaves the per-step sync to the caller (``track`` does
+    that, so waiting for data is measured apart from the sync).
     """
     dev = device if device is not None else _xla.device()
     if mesh is None:
-        return _xla.mp_device_loader(loader, dev)
+        return _xla.mp_device_loader(loader, dev, sync_each_batch=sync)
     size = _axis_size(mesh, axis)
     sharding = _xla.first_dim_sharding(
         mesh, axis, check=lambda t: _check_rows(t, size, axis, f"a batch tensor of shape {tuple(t.shape)}"))
-    return _xla.mp_device_loader(loader, dev, sharding)
+    return _xla.mp_device_loader(loader, dev, sharding, sync_each_batch=sync)
 
 
 def fsdp(model: Any, mesh: Any, axis: str = "data") -> Any:

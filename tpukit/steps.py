@@ -42,6 +42,13 @@ class StepRecord:
     batch_size: int | None = None
     compile_events: tuple[CompileEvent, ...] = ()
     fallbacks: dict = field(default_factory=dict)
+    # Where the wall time went, each measured (None outside track()): waiting for the
+    # next batch, host time tracing the loop body and syncing (compiles and device waits
+    # excluded), host time blocked on the device, and device busy time (which overlaps).
+    input_time: float | None = None
+    tracing_time: float | None = None
+    wait_time: float | None = None
+    device_time: float | None = None
 
     @property
     def wall(self) -> float:
@@ -55,8 +62,13 @@ class StepRecord:
 
     @property
     def recompilations(self) -> tuple[CompileEvent, ...]:
-        """Compile events of this step flagged as recompilations."""
+        """Compile events of this step classified as recompilations (the alarms)."""
         return tuple(e for e in self.compile_events if e.recompilation)
+
+    @property
+    def new_graphs(self) -> tuple[CompileEvent, ...]:
+        """Compile events of this step that are new graphs or expected compiles (not alarms)."""
+        return tuple(e for e in self.compile_events if not e.recompilation)
 
     @property
     def throughput(self) -> float | None:
@@ -72,11 +84,16 @@ class Clock:
         self.last = metrics.snapshot()
         self.last_time = time.time()
         self.events_seen = compiles.event_count()
+        self.busy_until = self.last_time
 
-    def tick(self, scalars: dict, batch_size: int | None = None) -> StepRecord:
-        """The record of the step that ended at the sync just made."""
+    def tick(self, scalars: dict, batch_size: int | None = None, **times: float) -> StepRecord:
+        """The record of the step that ended at the sync just made (``times``: the measured
+        ``input_time``, ``tracing_time``, ``wait_time`` of a tracked step; compile time is
+        taken out of the tracing time here)."""
         now_snap = metrics.snapshot()
         d = now_snap - self.last
+        if "tracing_time" in times:
+            times["tracing_time"] = max(0.0, times["tracing_time"] - d.compile_time)
         n = compiles.event_count()
         events_ = tuple(compiles.events_since(self.events_seen)) if n > self.events_seen else ()
         self.events_seen = n
@@ -84,9 +101,35 @@ class Clock:
         rec = StepRecord(step=self.step, start=self.last_time, end=now_snap.time, compiles=d.compiles,
                          compile_time=d.compile_time, executions=d.executions, execute_time=d.execute_time,
                          to_host=d.to_host, item_reads=d.item_reads, scalars=scalars,
-                         batch_size=batch_size, compile_events=events_, fallbacks=d.fallbacks)
+                         batch_size=batch_size, compile_events=events_, fallbacks=d.fallbacks,
+                         device_time=self.drain() if times else None, **times)
         self.last, self.last_time = now_snap, now_snap.time
         return rec
+
+    def drain(self) -> float:
+        """Device busy seconds that completed since the last drain (executions merged as intervals)."""
+        added, self.busy_until = busy_time(metrics.execute_samples(), self.busy_until)
+        return added
+
+
+def busy_time(samples: list[tuple[float, float]], since: float) -> tuple[float, float]:
+    """Seconds after ``since`` covered by at least one ``(end_time, duration)`` interval, and the
+    new ``since`` (the latest end seen).
+
+    torch_xla's execution samples run from dispatch to completion and overlap when
+    several executions are in flight, so they are merged as intervals, not summed.
+    """
+    spans = sorted((max(since, e - d), e) for e, d in samples if e > since)
+    total, cur_a, cur_b = 0.0, None, None
+    for a, b in spans:
+        if cur_b is None or a > cur_b:
+            total += (cur_b - cur_a) if cur_b is not None else 0.0
+            cur_a, cur_b = a, b
+        else:
+            cur_b = max(cur_b, b)
+    if cur_b is not None:
+        total += cur_b - cur_a
+    return max(0.0, total), max([since] + [b for _, b in spans])
 
 
 class _SyncState:
@@ -231,3 +274,78 @@ def on_step(fn: Callable[[StepRecord], Any], every: int = 1) -> Callable[[], Non
 
 # A listener with on_step added while the runtime runs needs the sync hook armed.
 events.when_added(lambda listener: ensure_hook() if callable(getattr(listener, "on_step", None)) else None)
+
+
+# ------------------------------------------------------------------ where the time goes
+
+BOTTLENECKS = ("compile", "input", "tracing", "device")
+_SUGGEST = {
+    "compile": "compiling dominates: find the recompilation alarms and fix their cause (bucket or pad the "
+               "inputs, pass changing values as tensors); on a TPU keep the persistent compilation cache on",
+    "input": "the loop waits for its data: use more DataLoader workers (num_workers), prefetch with "
+             "tpukit.device_loader / track(DataLoader), or preprocess once up front",
+    "tracing": "the host spends the step tracing Python ops: wrap the step in torch_xla.compile, fuse small "
+               "ops, or do more work per step (a bigger batch)",
+    "device": "the device is the limit: use bf16 (torch.autocast('xla', dtype=torch.bfloat16)), a bigger "
+              "batch per chip, or more chips",
+}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Where a loop's time went: the bottleneck, the measured shares of wall time, and what to do.
+
+    ``shares`` are fractions of wall time over the judged steps: ``compile``, ``input``
+    (waiting for the next batch) and ``tracing`` (host time in the loop body and the
+    sync, compiles excluded) are host-side and add up to at most 1; ``device`` is the
+    time the device was busy, which overlaps the host's.
+    """
+
+    bottleneck: str
+    shares: dict
+    steps: int
+    settled: bool
+    sentence: str
+    suggestion: str
+
+
+def bottleneck(records: list, settled_after: int | None = None, tail_wait: float = 0.0,
+               tail_device: float = 0.0) -> Verdict | None:
+    """Judge a loop's bottleneck over the steps after ``settled_after`` (all steps when None
+    or when too few are left), with ``tail_wait``/``tail_device`` the final wait for the device.
+
+    compile when compiling takes at least half the wall time; else input when waiting
+    for data is the largest host share (and at least a quarter); else device when the
+    device was busy at least 60% of the time; else tracing.
+    """
+    timed = [r for r in records if r.input_time is not None]
+    if not timed:
+        return None
+    judged = [r for r in timed if settled_after is not None and r.step > settled_after]
+    settled = settled_after is not None and len(judged) >= 2
+    if not settled:
+        judged = timed
+    wall = sum(r.wall for r in judged) + tail_wait
+    if wall <= 0:
+        return None
+
+    def share(total: float) -> float:
+        return min(1.0, total / wall)
+
+    shares = {"compile": share(sum(r.compile_time for r in judged)),
+              "input": share(sum(r.input_time for r in judged)),
+              "tracing": share(sum(r.tracing_time for r in judged)),
+              "device": share(sum(r.device_time or 0.0 for r in judged) + tail_device)}
+    if shares["compile"] >= 0.5:
+        kind = "compile"
+    elif shares["input"] >= max(shares["tracing"], 0.25):
+        kind = "input"
+    elif shares["device"] >= 0.6:
+        kind = "device"
+    else:
+        kind = "tracing"
+    over = (f"the {len(judged)} steps after step {settled_after}" if settled and settled_after
+            else f"all {len(judged)} steps" + ("" if settled else " (the loop never settled)"))
+    pct = ", ".join(f"{k} {shares[k]:.0%}" for k in BOTTLENECKS)
+    sentence = f"{kind}-bound over {over}: {pct} of the wall time"
+    return Verdict(kind, shares, len(judged), settled, sentence, _SUGGEST[kind])

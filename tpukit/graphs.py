@@ -1,0 +1,236 @@
+"""What a compiled graph *is*: its HLO as XLA dumped it when compiling, reduced
+to a small :class:`Graph` record (size, inputs, outputs, scalar constants and a
+structure signature), and the difference between two graphs compiled at the
+same place.
+
+``setup()`` asks XLA to dump each module's HLO "before optimizations" as text
+(``--xla_dump_to``). XLA writes that file only when it compiles, so a cache hit
+costs nothing; :class:`HloDump` reads each new file once, keeps the record and
+deletes the files. Two graphs with the same *structure* (the same operations in
+the same order, shapes and constant values aside) are the same computation: if
+the second one compiled anyway, an input shape, a dtype or a baked-in value
+changed, and :func:`diff` says which.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import threading
+from dataclasses import dataclass
+
+_MODULE_FILE = re.compile(r"^module_(\d+)\.(?P<name>[\w.\-]+?)\.before_optimizations\.txt$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<rest>.*)$")
+_LAYOUT = re.compile(r"\{[^{}]*\}")
+
+
+@dataclass(frozen=True)
+class Constant:
+    """A scalar constant of a graph: its value as written by XLA and the op that uses it."""
+
+    dtype: str
+    value: str
+    used_by: str
+
+
+@dataclass(frozen=True)
+class Graph:
+    """One compiled module, reduced to what a person can compare."""
+
+    module: int                 # XLA's module number (compile order in this process)
+    name: str                   # e.g. "SyncTensorsGraph.128"
+    ops: int                    # instructions, parameters and constants excluded
+    inputs: tuple[str, ...]     # parameter shapes, e.g. ("f32[8,16]", "s64[]")
+    outputs: tuple[str, ...]
+    constants: tuple[Constant, ...]
+    structure: str              # hash of the op sequence, shapes and values excluded
+    op_counts: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def size(self) -> str:
+        """``'312 ops, 12 -> 9'``: operations and inputs -> outputs."""
+        return f"{self.ops} ops, {len(self.inputs)} -> {len(self.outputs)}"
+
+
+def _split_top(text: str) -> list[str]:
+    """Split a comma-separated list at top level (not inside brackets or braces)."""
+    out, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        out.append("".join(cur).strip())
+    return out
+
+
+def _shapes(text: str) -> tuple[str, ...]:
+    text = _LAYOUT.sub("", text).strip()
+    if text.startswith("(") and text.endswith(")"):
+        text = text[1:-1]
+    return tuple(s for s in _split_top(text) if s)
+
+
+def _shape_and_op(rest: str) -> tuple[str, str, str]:
+    """``'f32[8,16]{1,0} add(%a, %b), x=1'`` -> (shape, opcode, args-and-attributes)."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                shape, tail = rest[:i + 1], rest[i + 1:].lstrip()
+                break
+        else:
+            return rest, "", ""
+    else:
+        shape, _, tail = rest.partition(" ")
+    op, _, args = tail.partition("(")
+    return shape, op.strip(), args
+
+
+def parse_hlo(text: str, module: int = -1) -> Graph:
+    """Reduce an HLO module's text to a :class:`Graph`."""
+    lines = text.splitlines()
+    name = lines[0].split()[1].rstrip(",") if lines and lines[0].startswith("HloModule") else "?"
+    inputs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    m = re.search(r"entry_computation_layout=\{\((.*)\)->(.*)\}\s*$", lines[0]) if lines else None
+    if m:
+        inputs, outputs = _shapes(m.group(1)), _shapes(m.group(2))
+    ops: list[str] = []
+    consts: dict[str, tuple[str, str]] = {}
+    opcode: dict[str, str] = {}
+    consumer: dict[str, str] = {}  # instruction -> the first instruction that uses it
+    for line in lines[1:]:
+        im = _INSTR.match(line)
+        if not im:
+            continue
+        shape, op, args = _shape_and_op(im.group("rest"))
+        name = im.group("name")
+        opcode[name] = op
+        if op == "constant" and shape.endswith("[]"):
+            consts[name] = (shape[:-2], args.split(")", 1)[0])
+            ops.append("scalar")  # constants and scalar parameters are interchangeable leaves
+            continue
+        if op == "parameter":
+            ops.append("scalar" if _LAYOUT.sub("", shape).endswith("[]") else "parameter")
+            continue
+        ops.append(op)
+        for ref in re.findall(r"%([\w.\-]+)", args):
+            consumer.setdefault(ref, name)
+    counted = [o for o in ops if o not in ("scalar", "parameter")]
+    counts: dict[str, int] = {}
+    for o in counted:
+        counts[o] = counts.get(o, 0) + 1
+    structure = hashlib.sha1("\n".join(ops).encode()).hexdigest()[:16]
+    constants = tuple(Constant(d, v, _user_op(n, consumer, opcode)) for n, (d, v) in consts.items())
+    return Graph(module=module, name=name, ops=len(counted), inputs=inputs, outputs=outputs,
+                 constants=constants, structure=structure,
+                 op_counts=tuple(sorted(counts.items(), key=lambda kv: -kv[1])))
+
+
+_PASS_THROUGH = ("broadcast", "reshape", "convert", "bitcast", "copy")
+
+
+def _user_op(name: str, consumer: dict[str, str], opcode: dict[str, str]) -> str:
+    """The op that really uses a value, looking through broadcasts, reshapes and converts."""
+    seen = 0
+    node = consumer.get(name)
+    while node is not None and opcode.get(node) in _PASS_THROUGH and seen < 16:
+        node, seen = consumer.get(node), seen + 1
+    return opcode.get(node, "?") if node else "?"
+
+
+def diff(old: Graph, new: Graph) -> list[str]:
+    """What changed from ``old`` to ``new``, one short phrase each (empty when nothing visible did).
+
+    Same structure: the inputs and outputs whose shape or dtype changed
+    (``input 3: f32[8,16] -> f32[8,24]``), else the scalar constants whose value changed (``2.5 -> 3.5 in multiply``), or a
+    special scalar 0/1 baked in as a constant that became an input. Different
+    structure: how many operations, inputs and outputs were added or removed.
+    """
+    if old.structure != new.structure:
+        parts = []
+        if new.ops != old.ops:
+            parts.append(f"{new.ops - old.ops:+d} ops ({old.ops} -> {new.ops})")
+        if len(new.inputs) != len(old.inputs):
+            parts.append(f"{len(new.inputs) - len(old.inputs):+d} inputs")
+        if len(new.outputs) != len(old.outputs):
+            parts.append(f"{len(new.outputs) - len(old.outputs):+d} outputs")
+        added = _count_delta(old, new)
+        if added:
+            parts.append(added)
+        return parts or ["the same size but other operations"]
+    if len(new.inputs) != len(old.inputs):
+        gone = [c for c in old.constants if c.value in ("0", "1") and c not in new.constants]
+        what = f"the constant {gone[0].value} in {gone[0].used_by}" if gone else "a baked-in scalar"
+        return [f"{what} became an input ({len(old.inputs)} -> {len(new.inputs)} inputs): torch_xla bakes "
+                "0 and 1 into the graph, so a value that moves away from 0/1 compiles once more"]
+    changed = [f"input {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(old.inputs, new.inputs)) if a != b]
+    changed += [f"output {i}: {a} -> {b}" for i, (a, b) in enumerate(zip(old.outputs, new.outputs)) if a != b]
+    if changed:
+        return changed
+    return [f"{a.value} -> {b.value}" + (f" in {b.used_by}" if b.used_by != "?" else "")
+            for a, b in zip(old.constants, new.constants) if a.value != b.value]
+
+
+def _count_delta(old: Graph, new: Graph, top: int = 3) -> str:
+    a, b = dict(old.op_counts), dict(new.op_counts)
+    moved = sorted(((k, b.get(k, 0) - a.get(k, 0)) for k in set(a) | set(b)), key=lambda kv: -abs(kv[1]))
+    moved = [(k, d) for k, d in moved if d][:top]
+    return ", ".join(f"{d:+d} {k}" for k, d in moved)
+
+
+class HloDump:
+    """Reads the HLO files XLA dumps into one directory, once each, oldest first; thread-safe."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+        self._lock = threading.Lock()
+        self._seen: set[str] = set()
+        self.graphs: list[Graph] = []
+
+    def poll(self) -> list[Graph]:
+        """Parse the module files written since the last poll and delete every dumped file."""
+        if not self.path:
+            return []
+        with self._lock:
+            try:
+                names = os.listdir(self.path)
+            except OSError:
+                return []
+            fresh = []
+            for n in names:
+                m = _MODULE_FILE.match(n)
+                full = os.path.join(self.path, n)
+                if m and n not in self._seen:
+                    try:
+                        with open(full, errors="replace") as f:
+                            text = f.read()
+                    except OSError:
+                        continue
+                    if not text.rstrip().endswith("}"):
+                        continue  # still being written
+                    self._seen.add(n)
+                    fresh.append(parse_hlo(text, int(m.group(1))))
+                if m is None or n in self._seen:
+                    try:
+                        os.remove(full)  # other dumps (LLVM IR, MLIR) and parsed files
+                    except OSError:
+                        pass
+            fresh.sort(key=lambda g: g.module)
+            self.graphs.extend(fresh)
+            return fresh
+
+
+def dump_flags(path: str) -> str:
+    """The XLA_FLAGS that make XLA dump each compiled step graph's HLO text into ``path``."""
+    return f"--xla_dump_to={path} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
