@@ -235,3 +235,21 @@ def test_a_child_process_does_not_write_into_its_parents_trace_file(rt):
     assert out.returncode == 0, out.stderr
     child = out.stdout.strip().splitlines()[-1]
     assert child != parent and child.endswith(".log")
+
+
+def test_scale_note_says_what_one_or_many_devices_can_do():
+    """%tpu's multi-core row: a single chip (Colab v5e-1) vs several devices (records built by hand)."""
+    import dataclasses
+
+    from tpukit.runtime import Runtime
+
+    base = Runtime(platform="colab", device_type="TPU", accelerator_type="v5litepod-1", device="xla:0",
+                   device_count=1, process_count=1, world_size=1, spmd=False, versions={},
+                   compile_cache=None, trace_file=None)
+    assert "one device" in base.scale_note() and "v5e-8" in base.scale_note()
+    cpu = dataclasses.replace(base, device_type="CPU")
+    assert "cpu_devices=4" in cpu.scale_note()
+    eight = dataclasses.replace(base, device_count=8, spmd=True)
+    assert eight.scale_note().startswith("8 devices") and "multiple of 8" in eight.scale_note()
+    assert "turn SPMD on" in dataclasses.replace(eight, spmd=False).scale_note()
+    assert ("multi-core", base.scale_note()) in base.rows()

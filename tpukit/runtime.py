@@ -70,11 +70,21 @@ class Runtime:
             ("device", f"{self.device} ({self.device_type}" + (f", {self.accelerator_type})" if self.accelerator_type else ")")),
             ("devices", f"{self.device_count} device(s), {self.process_count} process(es), world size {self.world_size}"),
             ("SPMD", "on" if self.spmd else "off"),
+            ("multi-core", self.scale_note()),
             ("bfloat16", "supported" if self.bf16 else "not native (runs, but emulated)"),
             ("versions", vers),
             ("compile cache", self.compile_cache or "off"),
             ("compile tracing", self.trace_file or "off (counts only, no causes)"),
         ]
+
+    def scale_note(self) -> str:
+        """What this many devices can and cannot do (a single chip, e.g. Colab's v5e-1, or several)."""
+        if self.device_count == 1:
+            more = ("tpukit.setup(cpu_devices=4) tries several virtual ones" if self.device_type == "CPU"
+                    else "a v5e-8 or Kaggle's v3-8 has 8 and splits each batch 8 ways")
+            return f"one device: SPMD code runs unchanged over it, with no speed-up; {more}"
+        how = "tpukit.mesh() + track(mesh=...) shard each batch" if self.spmd else "turn SPMD on to use them all"
+        return f"{self.device_count} devices: {how} (the global batch must be a multiple of {self.device_count})"
 
     def report(self) -> str:
         """Multi-line plain-text report (what ``python -m tpukit doctor`` prints)."""
