@@ -1,13 +1,17 @@
 """The live dashboard (tpukit.widgets): state, renderers, thread, front-end choice, report.
 
 Synthetic StepRecords/CompileEvents drive most tests; a tiny MLP trained with
-tpukit.track on XLA:CPU gives real records. The long-compile and SPMD checks run
+tpukit.track on XLA:CPU gives real records. The alarm contract: only
+recompilations are alerts (the red counter, the alert list); new graphs and
+expected compiles are counted and listed apart. When the tracked loop that
+opened the dashboard ends, its report takes the live widget's place. The long-compile and SPMD checks run
 in a subprocess that calls tpukit.setup() before torch_xla starts (compile
 tracing and virtual devices are fixed when the runtime starts).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,16 +30,17 @@ from tpukit import compiles, events
 from tpukit.compiles import CompileEvent, Frame
 from tpukit.errors import TpukitWarning
 from tpukit.runtime import Runtime
-from tpukit.steps import StepRecord
-from tpukit.widgets import Dashboard, DashboardState, choose_frontend, detect_context
-from tpukit.widgets import dashboard as dash_mod
+from tpukit.steps import StepRecord, Verdict
+from tpukit.widgets import Dashboard, DashboardState, Report, choose_frontend, detect_context
 from tpukit.widgets import frontend, render
+from tpukit.widgets import report as report_mod
 from tpukit.widgets.model import Timeline
 from tpukit.widgets.plot import TimelinePlot
 
 PNG = b"\x89PNG\r\n\x1a\n"
 HASH = "5ca807d1e2f3a4b5"
-HINT = "This line produced a new graph with the same inputs: most likely a tensor shape changed."
+HINT = "bucket or pad the batches to a few fixed lengths (tpukit.data.BucketBatcher)"
+EVIDENCE = ("input_ids: (8, 16) -> (8, 24)",)
 
 
 @pytest.fixture(scope="module")
@@ -58,23 +63,33 @@ def opened():
         d.close()
 
 
-def event(index, *, recompilation=False, end=0.0, start=0.0, graph=HASH, line=5, cause="user code"):
+def event(index, *, kind="recompilation", end=0.0, start=0.0, graph=HASH, line=5, cause="user code",
+          evidence=None):
+    """A CompileEvent as the core publishes it: ``kind`` "recompilation", "new graph",
+    "expected", or "compile" (not classified yet, e.g. still compiling)."""
     frames = (Frame("train_step", "/tmp/ipykernel/cell7.py", line, cell="[7]"),)
+    alarm = kind == "recompilation"
+    if evidence is None:
+        evidence = EVIDENCE if alarm else ("first graph here",) if kind == "new graph" else ()
     return CompileEvent(index=index, start=start, end=end, cause=cause, graph_hash=graph, inputs=3, outputs=2,
-                        frames=frames, recompilation=recompilation, hint=HINT if recompilation else None)
+                        frames=frames, recompilation=alarm, hint=HINT if alarm else None, kind=kind,
+                        evidence=tuple(evidence))
 
 
-def record(step, *, t0=1000.0, wall=0.05, compiles_=0, events=(), loss=None, fallbacks=None, batch=None):
+def record(step, *, t0=1000.0, wall=0.05, compiles_=0, events=(), loss=None, fallbacks=None, batch=None,
+           times=None):
+    """A StepRecord; ``times``: (input, tracing, wait, device) seconds as track() measures them."""
     start = t0 + step
+    measured = dict(zip(("input_time", "tracing_time", "wait_time", "device_time"), times)) if times else {}
     return StepRecord(step=step, start=start, end=start + wall, compiles=compiles_,
                       compile_time=0.5 * compiles_, executions=1, execute_time=wall / 2, to_host=1,
                       scalars={} if loss is None else {"loss": loss}, batch_size=batch,
-                      compile_events=tuple(events), fallbacks=fallbacks or {})
+                      compile_events=tuple(events), fallbacks=fallbacks or {}, **measured)
 
 
 def three_steps():
-    """3 steps: step 1 compiles (warm-up), step 3 recompiles at cell [7] line 5."""
-    first, recompile = event(100), event(101, recompilation=True, graph="a1b2c3d4", line=5)
+    """3 steps: step 1 compiles a new graph (warm-up), step 3 recompiles at cell [7] line 5."""
+    first, recompile = event(100, kind="new graph"), event(101, graph="a1b2c3d4", line=5)
     recs = [record(1, compiles_=1, events=[first], loss=1.0, fallbacks={"aten::nonzero": 2}),
             record(2, loss=0.8),
             record(3, compiles_=1, events=[recompile], loss=0.6)]
@@ -147,20 +162,53 @@ def test_state_counts_steps_compiles_and_recompilation_alert():
     for r in recs:
         st.add_step(r)
     v = st.view(now=2000.0)
-    assert (v.steps, v.compiles, v.recompilations, v.executions) == (3, 2, 1, 3)
+    assert (v.steps, v.compiles, v.recompilations, v.new_graphs, v.expected, v.executions) == (3, 2, 1, 1, 0, 3)
     assert v.fallbacks == {"aten::nonzero": 2} and v.scalars == {"loss": 0.6}
     (alert,) = v.alerts
     assert alert.step == 3 and alert.where == "cell [7] line 5" and alert.hint == HINT
+    assert alert.name == "step graph at cell [7] line 5 (3 -> 2)" and alert.evidence == EVIDENCE
     html_counters = render.counters_html(v)
     assert counter(html_counters, "steps") == "3"
     assert counter(html_counters, "recompilations").endswith(">1</b>")
     alerts = render.alerts_html(v)
-    assert "cell [7] line 5" in alerts and "a1b2c3…" in alerts and "most likely a tensor shape changed" in alerts
+    assert "<b>1 recompilation</b>" in alerts  # singular: "1 recompilations" was a bug
+    assert "step graph at cell [7] line 5 (3 -&gt; 2)" in alerts and "a1b2c3…" in alerts
+    assert "input_ids: (8, 16) -&gt; (8, 24)" in alerts and "Bucket or pad the batches" in alerts
+    assert alerts.index("input_ids") < alerts.index("Bucket or pad") < alerts.index("a1b2c3…")  # hash last
     for i in range(5):  # the list is capped, latest on top, the total still counts all
-        st.add_compile(event(200 + i, recompilation=True, line=10 + i))
+        st.add_compile(event(200 + i, line=10 + i))
     v = st.view()
     assert v.recompilations == 6 and [a.where for a in v.alerts] == ["cell [7] line 14", "cell [7] line 13"]
-    assert "(latest 2 shown)" in render.alerts_html(v)
+    assert "latest 2 shown" in render.alerts_html(v)
+
+
+def test_only_recompilations_are_alarms_new_graphs_and_expected_are_shown_apart():
+    st = DashboardState()
+    st.add_compile(event(1, kind="compile", end=None))  # still compiling: not classified, nowhere yet
+    v = st.view()
+    assert (v.recompilations, v.new_graphs, v.expected, v.alerts, v.graphs) == (0, 0, 0, (), ())
+    st.add_compile(event(1, kind="new graph", evidence=("first graph here (139 ops, 12 -> 17)",)))
+    st.add_compile(event(2, kind="new graph", line=9, evidence=("+21 ops (118 -> 139); +5 inputs",)))
+    st.add_compile(event(3, kind="expected", evidence=("input_ids: (8, 32) -> (8, 64)", "a declared shape")))
+    st.add_compile(event(3, kind="expected"))  # the same event again: counted once
+    st.add_step(record(1, compiles_=3, events=[event(1, kind="new graph"), event(2, kind="new graph", line=9),
+                                                event(3, kind="expected")]))
+    v = st.view()
+    assert (v.recompilations, v.new_graphs, v.expected, v.alerts_total) == (0, 2, 1, 0)
+    assert [(g.step, g.label) for g in v.graphs] == [(1, "expected compile"), (1, "new graph"), (1, "new graph")]
+    html_counters = render.counters_html(v)
+    assert counter(html_counters, "recompilations") == "0"  # not red: nothing to fix
+    assert counter(html_counters, "new graphs") == f"<span style='color:{render.MUTED}'>2</span>"
+    assert counter(html_counters, "expected compiles").endswith(">1</span>")
+    assert render.alerts_html(v) == f"<div style='color:{render.MUTED}'>no recompilations</div>"
+    graphs = render.graphs_html(v)
+    assert "2 new graphs, 1 expected compile (not alarms)" in graphs
+    assert "+21 ops (118 -&gt; 139); +5 inputs" in graphs and "step graph at cell [7] line 9" in graphs
+    assert "a declared shape" in graphs and render.BAD not in graphs
+    text = render.text_report(v)
+    assert "new graph at step 1: step graph at cell [7] line 9 (3 -> 2): +21 ops (118 -> 139); +5 inputs" in text
+    assert "expected compile at step 1" in text and "recompilation at" not in text
+    assert render.text_line(v).startswith("tpukit: step 1 · 3 compiles · step ")  # no recompilation part
 
 
 def test_now_line_idle_executing_compiling():
@@ -171,11 +219,11 @@ def test_now_line_idle_executing_compiling():
     assert st.view().now == "executing step 1"
     st.add_step(record(1, t0=4990.0))
     assert st.view().now == "executing step 2"
-    running = event(7, start=clock[0] - 12.0, end=None)
+    running = event(7, kind="compile", start=clock[0] - 12.0, end=None)
     st.add_compile(running)
     v = st.view()
-    assert v.now == "compiling graph 5ca807… for 12 s, triggered by cell [7] line 5" and v.now_kind == "compiling"
-    st.add_compile(event(7, start=clock[0] - 12.0, end=clock[0]))  # the same compile, finished
+    assert v.now == "compiling step graph at cell [7] line 5 (3 -> 2) for 12 s" and v.now_kind == "compiling"
+    st.add_compile(event(7, kind="compile", start=clock[0] - 12.0, end=clock[0]))  # the same compile, finished
     assert st.view().now == "executing step 2"
     st.track_ended()
     assert st.view().now == "idle"
@@ -204,32 +252,42 @@ def test_widget_values_after_synthetic_events(rt, opened):
     d.refresh()
     values = d.values()
     assert counter(values["counters"], "steps") == "3"
-    assert "cell [7] line 5" in values["alerts"] and "most likely a tensor shape changed" in values["alerts"]
+    assert "cell [7] line 5" in values["alerts"] and "Bucket or pad the batches" in values["alerts"]
+    assert "1 new graph (not alarms)" in values["graphs"]
     assert "aten::nonzero" in values["fallbacks"] and ">2<" in values["fallbacks"]
     assert "CPU" in values["header"]
     assert wait_for(lambda: d.image is not None), "the thread never drew the timeline"
     assert d.image.startswith(PNG)
     assert repr(d._live.box).startswith("tpukit dashboard (live widgets")  # what GitHub/nbval see
+    assert d._live.image.layout.display is None  # shown once it holds a PNG
+
+
+def test_image_is_hidden_until_the_first_plot(rt, opened):
+    d = Dashboard(mode="widgets", show=False)
+    opened.append(d)
+    assert d.image is None and d._live.image.layout.display == "none"  # no broken-image icon (Colab)
+    d._live.update({}, PNG + b"...")
+    assert d._live.image.layout.display is None and d.image.startswith(PNG)
 
 
 def test_thread_updates_now_line_while_main_thread_is_blocked(rt, opened, monkeypatch):
-    running = event(9, start=time.time() - 12.0, end=None)
+    running = event(9, kind="compile", start=time.time() - 12.0, end=None)
     monkeypatch.setattr(compiles, "tracing_enabled", lambda: True)
     monkeypatch.setattr(compiles, "compiling_now", lambda: running)
     d = Dashboard(mode="widgets", show=False, plot=False)
     opened.append(d)
     time.sleep(1.2)  # the main thread does nothing: only the dashboard's thread can update the widget
     now = d.values()["now"]
-    assert re.search(r"compiling graph 5ca807… for 1[23] s, triggered by cell \[7\] line 5", now), now
+    assert re.search(r"compiling step graph at cell \[7\] line 5 \(3 -&gt; 2\) for 1[23] s", now), now
 
 
 def test_text_mode_in_a_terminal_reports_a_long_compile_from_the_thread(rt, opened, monkeypatch, capsys):
-    running = event(11, start=time.time() - 30.0, end=None)
+    running = event(11, kind="compile", start=time.time() - 30.0, end=None)
     monkeypatch.setattr(compiles, "tracing_enabled", lambda: True)
     monkeypatch.setattr(compiles, "compiling_now", lambda: running)
     d = Dashboard(mode="text", text_every=0.2, show=False)
     opened.append(d)
-    assert wait_for(lambda: "compiling graph" in capsys.readouterr().out, timeout=3.0)
+    assert wait_for(lambda: "compiling step graph at cell [7] line 5" in capsys.readouterr().out, timeout=3.0)
     time.sleep(0.3)
     d.close()
     assert "tpukit: done · no steps yet" in capsys.readouterr().out
@@ -257,16 +315,42 @@ def test_refreshes_are_throttled_to_two_per_second(rt, opened):
 
 def test_plot_reuses_its_frame_for_a_1000_step_history():
     n = 1000
-    tl = Timeline(list(range(1, n + 1)), [5.0, 5.0] + [0.0] * (n - 2), [0.03] * n, [0.01] * n,
+    tl = Timeline(list(range(1, n + 1)), [5.0, 5.0] + [0.0] * (n - 2), [0.005] * n, [0.01] * n, [0.03] * n,
                   {"loss": (list(range(1, n + 1)), [1.0 / k for k in range(1, n + 1)])}, 1)
     p = TimelinePlot()
     first = p.render(tl)
-    tl2 = Timeline(tl.steps + [n + 1], tl.compile + [0.0], tl.execute + [0.031], tl.host + [0.01],
-                   {"loss": (tl.scalars["loss"][0] + [n + 1], tl.scalars["loss"][1] + [0.0009])}, 2)
+    tl2 = Timeline(tl.steps + [n + 1], tl.compile + [0.0], tl.input + [0.005], tl.tracing + [0.01],
+                   tl.device + [0.031], {"loss": (tl.scalars["loss"][0] + [n + 1], tl.scalars["loss"][1] + [0.0009])},
+                   2)
     second = p.render(tl2)
     assert first.startswith(PNG) and second.startswith(PNG) and first != second
     assert p.frames_drawn == 1  # same limits: only the data artists were redrawn
-    assert "mean of 4 steps" in p.title.get_text() and "clipped" in p.clip_text.get_text()
+    assert "mean of 4 steps" in p.title.get_text() and "▲ 1 bar clipped" in p.clip_text.get_text()
+
+
+def test_timeline_splits_steps_and_the_x_axis_stops_at_the_loops_total():
+    st = DashboardState()
+    st.track_started(SimpleNamespace(total=24, history=[], finished=None))
+    st.add_step(record(1, wall=0.5, times=(0.1, 0.2, 0.15, 0.3)))
+    st.add_step(record(2, wall=0.1))  # a sync outside track(): host and execution time instead
+    tl = st.timeline()
+    assert tl.steps == [1, 2] and tl.x_end == 24
+    assert (tl.input[0], tl.tracing[0], tl.device[0]) == (0.1, 0.2, 0.15)
+    assert (tl.input[1], tl.tracing[1], tl.device[1]) == (0.0, pytest.approx(0.05), 0.05)
+    p = TimelinePlot()
+    for k in range(3, 17):
+        st.add_step(record(k, times=(0.01, 0.02, 0.01, 0.01)))
+    p.render(st.timeline())
+    assert p.ax_t.get_xlim()[1] <= 24 + 1  # live: nice limits, but never past step 24
+    for k in range(17, 21):  # the loop stops early (a break at step 20)
+        st.add_step(record(k, times=(0.01, 0.02, 0.01, 0.01)))
+    st.track_ended()
+    report_plot = TimelinePlot(stable_limits=False)
+    report_plot.render(st.timeline())
+    assert 20 < report_plot.ax_t.get_xlim()[1] < 21
+    st.track_started(SimpleNamespace(total=5, history=[], finished=None))
+    st.add_step(record(1))  # the next loop starts at step 1 again: the plot goes on after step 20
+    assert st.timeline().steps[-1] == 21 and st.timeline().x_end == 25
 
 
 # ---------------------------------------------------------------- failures and lifecycle
@@ -353,18 +437,121 @@ def test_text_mode_prints_throttled_summary_end_line_and_report(rt, capsys):
     assert not d.running and d not in events.listeners()
     end = capsys.readouterr().out
     assert end.startswith("tpukit: done · step 3 · 2 compiles · 1 recompilation")
-    d.report()  # no front end: plain text, the recompilation with its cell and line
+    d.report()  # no front end: plain text, the recompilation by name, evidence and hint, hash last
     rep = capsys.readouterr().out
-    assert "recompilation at step 3, cell [7] line 5: user code." in rep and "CPU fallback aten::nonzero x2" in rep
+    assert ("recompilation at step 3: step graph at cell [7] line 5 (3 -> 2): input_ids: (8, 16) -> (8, 24). "
+            "Bucket or pad the batches to a few fixed lengths (tpukit.data.BucketBatcher) [graph a1b2c3d4]") in rep
+    assert "new graph at step 1: step graph at cell [7] line 5 (3 -> 2): first graph here" in rep
+    assert "CPU fallback aten::nonzero x2" in rep
 
 
-def test_real_loop_widgets_then_static_report(rt, monkeypatch):
+class FakeSlot:
+    """Stands in for a display handle: records what replaced the output."""
+
+    def __init__(self, obj, cell):
+        self.shown, self.cell, self.replaced = obj, cell, []
+
+    def replace(self, obj):
+        self.replaced.append(obj)
+
+
+@pytest.fixture
+def notebook(monkeypatch):
+    """A notebook front end: what the dashboard displays (``shown``) and the outputs it shows
+    with a display id (``slots``), in cell ``cell[0]``."""
+    nb = SimpleNamespace(shown=[], slots=[], cell=[4])
+
+    def show(obj):
+        nb.slots.append(FakeSlot(obj, nb.cell[0]))
+        return nb.slots[-1]
+
+    monkeypatch.setattr(report_mod, "show", show)
+    monkeypatch.setattr(report_mod, "display", lambda *objs: nb.shown.extend(objs))
+    monkeypatch.setattr(report_mod, "current_cell", lambda: nb.cell[0])
+    monkeypatch.setattr(frontend, "detect_context", lambda: "jupyter")
+    return nb
+
+
+def verdict(kind="input"):
+    shares = {"compile": 0.05, "input": 0.7, "tracing": 0.2, "device": 0.04}
+    return Verdict(kind, shares, 20, True, f"{kind}-bound over the 20 steps after step 2: compile 5%, input 70%, "
+                   "tracing 20%, device 4% of the wall time", "the loop waits for its data: use more workers")
+
+
+def test_verdict_line_and_warm_up_from_the_tracked_loop():
+    st = DashboardState()
+    assert render.verdict_html(st.view()) == "" and render.warmup_text(st.view()) is None  # no tracked loop
+    tracker = SimpleNamespace(total=None, history=[], finished=None, verdict=lambda: None,
+                              settled_after=lambda: None)
+    st.track_started(tracker)
+    st.add_step(record(1, compiles_=1))
+    v = st.view()
+    assert v.verdict is None and counter(render.counters_html(v), "warm-up").endswith(">not settled yet</span>")
+    tracker.history = [object()] * 22  # the loop went on: the tracker is asked again, at most once a second
+    tracker.verdict, tracker.settled_after = verdict, lambda: 2
+    assert st.view().verdict is None  # throttled (a long history costs a walk over it)
+    st.judge(force=True)
+    v = st.view()
+    assert v.verdict.bottleneck == "input" and v.settled_after == 2
+    line = render.verdict_html(v)
+    assert "<b>where the time goes:</b>" in line and "<b>input-bound</b> over the 20 steps after step 2" in line
+    assert "input 70%" in line and "use more workers." in line
+    assert render.verdict_text(v) == verdict().sentence + "; " + verdict().suggestion + "."
+    assert dict(render.counter_rows(v))["warm-up"] == "settled after step 2"
+    tracker.finished, tracker.settled_after = 99.0, lambda: None
+    st.track_ended(tracker)
+    v = st.view()
+    assert v.loop_done and dict(render.counter_rows(v))["warm-up"] == "never settled: new graphs kept compiling"
+    assert "where the time goes: input-bound over the 20 steps" in render.text_report(v)
+    assert render.text_line(v, final=True).endswith("· input-bound · " + f"{v.elapsed:.1f} s")
+    assert render.warmup_text(dataclasses.replace(v, settled_after=0)) == "none: nothing compiled"
+
+
+def test_loop_cell_keeps_only_the_report(rt, notebook):
+    d = Dashboard(mode="widgets", plot=True)  # shown in cell [4], replaceable
+    (slot,) = notebook.slots
+    assert slot.shown is d._live.box and slot.cell == 4
+    tracker = SimpleNamespace(dashboard=d, total=3, history=[], finished=None, verdict=verdict,
+                              settled_after=lambda: 1)
+    events.call("on_track_start", tracker)
+    recs, _ = three_steps()
+    for r in recs:
+        events.call("on_step", r)
+    tracker.finished = time.time()
+    events.call("on_track_end", tracker)  # the owner's loop ended: the dashboard closes...
+    assert not d.running and not slot.replaced
+    d.report()  # ... and track() asks for the report, in the same cell
+    (rep,) = slot.replaced
+    assert notebook.shown == []  # nothing else was added to the cell: the widget became the report
+    assert isinstance(rep, Report) and rep.png.startswith(PNG)
+    page = rep._repr_html_()
+    assert page.count("class='tpukit-report'") == 1 and "tpukit-dashboard" not in page
+    assert "src='data:image/png;base64," in page  # the timeline inside the one output
+    assert "<b>input-bound</b>" in page and "settled after step 1" in page and "1 recompilation" in page
+    text = repr(rep)  # the text/plain of the same output (GitHub without widget state, nbval)
+    assert "where the time goes: input-bound" in text and "recompilation at step 3: step graph" in text
+    assert d._live.box.comm is None  # the widget models are closed; their values stay readable
+    assert "closed: 3 steps" in d.values()["now"]
+    d.report()  # asked again: the live output is gone, so a new report is displayed
+    assert len(slot.replaced) == 1 and isinstance(notebook.shown[0], Report)
+
+
+def test_report_from_another_cell_is_shown_there(rt, notebook):
+    d = Dashboard(mode="widgets", plot=False)  # cell [4]
+    events.call("on_step", record(1))
+    d.close()
+    notebook.cell[0] = 5
+    d.report()
+    (slot,) = notebook.slots
+    assert slot.replaced == []  # cell [4] keeps the frozen dashboard; cell [5] asked for the report
+    rep, image = notebook.shown
+    assert isinstance(rep, Report) and rep.png is None and image.data.startswith(PNG)
+
+
+def test_real_loop_widgets_then_static_report(rt, notebook):
     import torch
     from torch import nn
 
-    shown = []
-    monkeypatch.setattr(dash_mod, "_display", lambda *objs: shown.extend(objs))
-    monkeypatch.setattr(frontend, "detect_context", lambda: "jupyter")
     dev = tpukit._xla.device()
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -378,8 +565,9 @@ def test_real_loop_widgets_then_static_report(rt, monkeypatch):
         tpukit.log(loss=loss)
     d = loop.dashboard
     assert d.mode == "widgets" and not d.running and d not in events.listeners()
-    box, report, image = shown  # the live widget at open, then the report at the end
-    assert box is d._live.box
+    (slot,) = notebook.slots  # the live widget at open ...
+    (report,) = slot.replaced  # ... became the report at the end, in the same output
+    assert slot.shown is d._live.box and notebook.shown == []
     v = d.view()
     assert v.last_step == 6 and v.steps >= 6 and v.compiles >= 1 and v.executions >= 6
     assert v.scalars["loss"] == pytest.approx(loop.history[-1].scalars["loss"])
@@ -387,8 +575,13 @@ def test_real_loop_widgets_then_static_report(rt, monkeypatch):
     assert d.image.startswith(PNG)  # the final refresh drew the timeline
     page = report._repr_html_()
     assert "<table" in page and ">steps<" in page and "no recompilations" in page
+    assert "new graph (not alarms)" in page or "new graphs (not alarms)" in page  # this loop's first graphs
     assert "steps" in repr(report) and "compiles" in repr(report)  # text/plain of the same output
-    assert image.data.startswith(PNG)
+    assert report.png.startswith(PNG)
+    want = loop.verdict()
+    assert v.verdict == want and v.settled_after == loop.settled_after()  # the tracker's own numbers
+    assert f"{want.bottleneck}-bound</b>" in page and want.suggestion in page.replace("&#x27;", "'")
+    assert loop.summary()["verdict"] in repr(report)
 
 
 # ---------------------------------------------------------------- real compile, SPMD (subprocess)
@@ -444,7 +637,7 @@ def test_real_long_compile_and_spmd_seen_by_the_thread(tmp_path):
     res = json.loads(out[-1][len("RESULT "):])
     assert not res["imported_early"] and res["tracing"] and res["spmd"] and not res["problems"]
     during = [s for s in res["seen"] if f"long_compile.py:{line} in <module>" in s]
-    assert during and all(s.startswith("compiling graph ") for s in during), res["seen"]
+    assert during and all(s.startswith("compiling step graph at ") for s in during), res["seen"]
     assert any(int(re.search(r"for (\d+) s", s).group(1)) >= 1 for s in during), during  # it ticked during it
     assert "2 × CPU · SPMD" in res["values"]["header"]
     assert res["last_step"] == 4 and not res["running"]

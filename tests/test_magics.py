@@ -6,8 +6,10 @@ is loaded: before torch_xla is imported (tracing on, causes mapped to cell
 lines) and after (a one-line note, counts only).
 """
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -15,7 +17,7 @@ import types
 import pytest
 
 import tpukit
-from tpukit import events, magics
+from tpukit import _magic_cells, compiles, events, magics
 
 EXT = "tpukit"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -180,7 +182,8 @@ def test_help_lists_the_arguments(ext, capsys):
     run(ext, "%%xla?")
     run(ext, "%tpu_info?")
     out = capsys.readouterr().out
-    for flag in ("--since-last", "--reset", "--json", "--max-compiles", "--hlo", "--cpu-devices", "--no-trace"):
+    for flag in ("--since-last", "--reset", "--json", "--max-compiles", "--hlo", "--explain", "--cpu-devices",
+                 "--no-trace"):
         assert flag in out
 
 
@@ -218,6 +221,88 @@ def test_xla_hlo_shows_the_pending_graph_before_the_sync(ext, capsys):
     assert "no variable holds a pending XLA tensor" in capsys.readouterr().out
 
 
+def test_explain_prints_torch_xlas_compilation_analysis(ext, capsys):
+    run(ext, "%%xla --explain\nex = torch.ones(21, 2, device=dev).sum().item()")
+    out = capsys.readouterr().out
+    summary, _, explained = out.partition("%%xla --explain: ")
+    assert summary.startswith("%%xla: 1 compile") and "  new graph: forced read graph at cell [" in summary
+    assert explained.startswith("torch_xla's Compilation Analysis of compile 1 of 1 (graph ")
+    full_hash = re.search(r"Graph Hash: ([0-9a-f]{32})", explained).group(1)
+    assert summary.rstrip().endswith(f"[graph {full_hash[:8]}]")  # the same compile
+    for text in ("Compilation Cause", "most likely user code trying to access tensor value",
+                 "Number of Graph Inputs: 0", "Number of Graph Outputs: 1", "Python Frame Triggered Execution"):
+        assert text in explained
+    assert "====" not in explained and "----" not in explained  # the separator rules are dropped
+    run(ext, "%%xla --explain\nex = torch.ones(21, 2, device=dev).sum().item()")
+    assert capsys.readouterr().out.splitlines()[1:] == ["%%xla --explain: nothing compiled in this cell."]
+    run(ext, "%%xla --explain --quiet\nex = torch.ones(21, 3, device=dev).sum().item()")
+    assert capsys.readouterr().out == ""
+
+
+def test_a_recompilation_in_a_cell_names_the_input_that_changed(ext, capsys):
+    run(ext, "import tpukit\nrb = [{'input_ids': torch.ones(8, n)} for n in (16, 16, 24)]")
+    run(ext, "%%xla\nfor b in tpukit.track(rb, progress=False):\n    loss = (b['input_ids'] * 3).sum()")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("%%xla: 2 compiles") and len(lines) == 3
+    assert lines[1].startswith("  new graph: step graph at cell [") and " line 2 (" in lines[1]  # the for line
+    assert lines[2].startswith("  recompilation: step graph at cell [") and " line 2 (" in lines[2]
+    assert ": input_ids: (8, 16) -> (8, 24). Bucket or pad the batches" in lines[2]
+    # The same loop with the lengths declared: an expected compile, never called a recompilation.
+    run(ext, "rb = [{'input_ids': torch.ones(8, n)} for n in (32, 32, 40)]")
+    run(ext, "%%xla\nfor b in tpukit.track(rb, progress=False, shapes=[32, 40]):\n"
+             "    loss = (b['input_ids'] * 3).sum()")
+    out = capsys.readouterr().out
+    assert "recompilation" not in out
+    assert "  expected compile: step graph at cell [" in out
+    assert "input_ids: (8, 32) -> (8, 40); a declared shape" in out
+
+
+def test_a_rerun_notebook_cell_is_the_same_place(ext, capsys, monkeypatch):
+    """ipykernel names a cell's code by its source, so a re-run cell is the same code place: run
+    again with a longer input, its closing sync is a recompilation that names the input."""
+    from ipykernel.compiler import XCachingCompiler
+
+    monkeypatch.setattr(ext, "compile", XCachingCompiler())
+    cell = "%%xla\nrr = (rr_x * 5).sum()"
+    for n in (27, 29):  # shapes no other test compiles (a cached graph would not compile again)
+        run(ext, f"rr_x = torch.ones(5, {n}, device=dev); torch_xla.sync()")
+        result = run(ext, cell)
+        assert result.error_in_exec is None, result.error_in_exec
+    first, second = [c.splitlines()[1] for c in capsys.readouterr().out.split("%%xla: ")[1:]]
+    # (the cell numbers are not checked: under IPython 7 they come from the kernel's own compiler,
+    # which this shell only borrows)
+    sync = re.escape("step graph at the end of cell [") + r"\d+" + re.escape("] (the sync %%xla adds)")
+    assert re.match("  new graph: " + sync, first), first
+    assert re.match("  recompilation: " + sync, second), second
+    assert re.search(r": input \d: f32\[5,27\] -> f32\[5,29\]\. An input tensor changed shape", second)
+
+
+def test_a_new_graph_at_the_same_line_is_not_a_recompilation(ext, capsys):
+    run(ext, "%%xla\nfor op in (torch.sin, torch.cos):\n    ng = op(torch.ones(4, 9, device=dev))\n"
+             "    torch_xla.sync()")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("%%xla: 2 compiles") and len(lines) == 3
+    assert all(line.startswith("  new graph: step graph at cell [") and " line 4 (" in line for line in lines[1:])
+    assert ": first graph here [graph " in lines[1]
+    assert "+1 cosine" in lines[2] and "-1 sine" in lines[2]
+
+
+def test_a_closing_sync_without_its_cell_on_the_stack_gets_no_verdict():
+    """Without a cell frame every %%xla cell's closing sync would share one place: no label then."""
+    frames = (compiles.Frame("sync", "/x/site-packages/torch_xla/torch_xla.py", 87),
+              compiles.Frame("<module>", "<decorator-gen-12>", 2))
+    ev = compiles.CompileEvent(index=4, start=0.0, end=0.5, cause="user torch_xla.sync", graph_hash="ab" * 16,
+                               inputs=1, outputs=1, frames=frames, recompilation=True, hint="pad it",
+                               kind="recompilation", evidence=("input 0: f32[2] -> f32[3]",))
+    delta = types.SimpleNamespace(compiles=1)
+    (line,) = _magic_cells._cell_event_lines([ev], 4, 9, delta)
+    assert line == "  compile: step graph at the end of cell [9] (the sync %%xla adds) (1 -> 1), 0.5 s [graph abababab]"
+    inside = dataclasses.replace(ev, frames=frames + (compiles.Frame("<module>", "cell", 1, cell="[9]"),))
+    (line,) = _magic_cells._cell_event_lines([inside], 4, 9, delta)
+    assert line.startswith("  recompilation: ")
+    assert line.endswith(": input 0: f32[2] -> f32[3]. Pad it [graph abababab]")
+
+
 # ----------------------------------------------------------------- %xla_watch
 
 def test_watch_prints_one_line_only_for_cells_that_compile_or_fall_back(ext, capsys):
@@ -240,6 +325,17 @@ def test_watch_prints_one_line_only_for_cells_that_compile_or_fall_back(ext, cap
     capsys.readouterr()
     run(ext, "w3 = torch.ones(17, 4, device=dev).sum().item()")
     assert capsys.readouterr().out == ""
+
+
+def test_watch_names_a_recompilation_first(ext, capsys):
+    run(ext, "%xla_watch on")
+    capsys.readouterr()
+    run(ext, "for n in (11, 13, 15):\n    wb = torch.ones(6, n, device=dev)\n    torch_xla.sync()\n"
+             "    wy = (wb * 7).sum()\n    torch_xla.sync()")
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("%xla_watch [")
+    assert " — recompilation: step graph at cell [" in out and "f32[6,11] -> f32[6,13]" in out
+    assert out.rstrip().endswith("(+5 more: 2 new graphs, 3 recompilations)")
 
 
 # ----------------------------------------------------------------- %xla_ir / %xla_hlo
@@ -302,16 +398,19 @@ def test_loaded_first_it_traces_compiles_to_cell_lines(sessions):
     assert _cell(s, "%load_ext")["out"] == ""
     pending = _cell(s, "%%xla\nx =")
     assert pending["out"].startswith("%%xla: 1 compile")
-    assert f"at the end of cell [{pending['n']}] (the sync %%xla adds): user torch_xla.sync" in pending["out"]
+    assert f"  new graph: step graph at the end of cell [{pending['n']}] (the sync %%xla adds) (" in pending["out"]
     loop = _cell(s, "%%xla\nfor")
     lines = loop["out"].splitlines()
     assert lines[0].startswith("%%xla: 3 compiles")
-    assert all(f"at cell [{loop['n']}] line 3: " in line for line in lines[1:4])  # line 1 is %%xla
-    assert lines[3].startswith("  recompilation of graph")
+    # line 1 is %%xla; ones(n) bakes n into the graph, so each new n is the same computation again
+    assert lines[1].startswith(f"  new graph: forced read graph at cell [{loop['n']}] line 3 (")
+    assert all(line.startswith(f"  recompilation: forced read graph at cell [{loop['n']}] line 3 (")
+               for line in lines[2:4])
+    assert all(re.search(r" \[graph [0-9a-f]{8}\]$", line) for line in lines[1:4])  # the hash last
     watched = [c for c in s["cells"] if c["source"].startswith("z =")]
     assert watched[0]["out"].count("\n") == 1
     assert watched[0]["out"].startswith(f"%xla_watch [{watched[0]['n']}]: 1 compile")
-    assert f"compile at cell [{watched[0]['n']}] line 1" in watched[0]["out"]
+    assert f" — new graph: forced read graph at cell [{watched[0]['n']}] line 1 (" in watched[0]["out"]
     assert watched[1]["out"] == ""
     warm = _cell(s, "%%xla --max-compiles 0")
     assert warm["out"].startswith("%%xla: 0 compiles") and "%xla_watch" not in warm["out"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import time
 from typing import Any, Callable
 
 from . import _ipython, _xla, compiles, metrics
@@ -123,11 +124,36 @@ def _pending_hlo_report(shell: Any) -> str:
     return head + "\n" + _xla.pending_hlo(pending).rstrip()
 
 
-def _event_line(ev: Any, where: str, hint: str | None, recompilation: bool) -> str:
+def _evidence(ev: Any) -> list[str]:
+    """The evidence phrases, without a graph size the line already shows."""
+    size = f" ({ev.graph.size})" if ev.graph is not None else ""
+    return [e[:-len(size)] if size and e.endswith(size) else e for e in ev.evidence]
+
+
+def compile_line(ev: Any, where: str | None = None, trusted: bool = True, hint: bool = True) -> str:
+    """``recompilation: step graph at cell [4] line 9 (12 ops, 2 -> 1), 0.3 s: input 1: f32[8,16] ->
+    f32[8,24]. Hint [graph 1a2b3c4d]``: the label, ``ev.name`` (``where`` replaces its place), the
+    evidence and the hint, the hash last. Untrusted: only "compile" and the name."""
     took = "still compiling" if ev.end is None else f"{ev.duration:.1f} s"
-    flag = "recompilation" if recompilation else "compile"
-    text = f"  {flag} of graph {ev.graph_hash[:6] or '?'}… ({took}) at {where}: {ev.cause or 'cause not recorded'}"
-    return text + (f". {hint}" if hint else "")
+    name = ev.name if where is None else ev.name.replace(f" at {ev.where}", f" at {where}", 1)
+    text = f"{ev.label if trusted else 'compile'}: {name}, {took}"
+    evidence = _evidence(ev) if trusted else []
+    if evidence:
+        text += ": " + "; ".join(evidence)
+    if trusted and hint and ev.hint:
+        text += f". {ev.hint[0].upper()}{ev.hint[1:]}"
+    return text + f" [graph {ev.graph_hash[:8] or '?'}]"
+
+
+def _classified(first: int, patience: float = 2.5) -> list:
+    """The compile events since ``first``, waiting (at most ``patience`` s) for those that ended to be
+    classified: their HLO file may reach the dump directory just after the compile ends."""
+    deadline = time.monotonic() + patience
+    while True:
+        found = compiles.events_since(first)
+        if time.monotonic() > deadline or not any(e.kind == compiles.PENDING and e.end is not None for e in found):
+            return found
+        time.sleep(0.05)
 
 
 def _cell_event_lines(events: list, sync_from: int, number: int, delta: Any) -> list[str]:
@@ -135,20 +161,36 @@ def _cell_event_lines(events: list, sync_from: int, number: int, delta: Any) -> 
     lines = []
     hints: set[str] = set()
     for ev in events:
-        hint, recompilation = ev.hint, ev.recompilation
+        where, trusted = None, True
         if ev.index >= sync_from:
             where = f"the end of cell [{number}] (the sync %%xla adds)"
-            if ev.user_frame is None or ev.user_frame.cell is None:
-                # No user location on the stack (only wrappers such as IPython 7's `decorator`
-                # frames): a "recompilation at the same location" would be meaningless.
-                hint, recompilation = None, False
-        else:
-            where = ev.where
-        lines.append(_event_line(ev, where, None if hint in hints else hint, recompilation))
-        hints.add(hint)  # each hint once per report
+            # A place is keyed by the user frames on the stack. When no cell is among them
+            # (torch_xla keeps only the innermost frames; wrappers such as IPython 7's
+            # `decorator` can push the cell out), every %%xla cell's closing sync shares one
+            # place, and its label would compare graphs of different cells: show no verdict.
+            trusted = any(f.cell for f in ev.user_frames)
+        show_hint = trusted and ev.hint not in hints  # each hint once per report
+        lines.append("  " + compile_line(ev, where, trusted, hint=show_hint))
+        if show_hint:
+            hints.add(ev.hint)
     if not lines and delta.compiles and not compiles.tracing_enabled():
         lines.append(f"  ({_NO_TRACING})")
     return lines
+
+
+def _explain(events: list, delta: Any) -> str:
+    """``--explain``: torch_xla's own "Compilation Analysis" of each compile, separator rules dropped."""
+    if not events:
+        if delta.compiles and not compiles.tracing_enabled():
+            return f"%%xla --explain: no Compilation Analysis to show ({_NO_TRACING})."
+        return "%%xla --explain: nothing compiled in this cell."
+    out = []
+    for k, ev in enumerate(events, 1):
+        body = [ln for ln in ev.analysis.splitlines() if ln.strip().strip("=-")]
+        out.append(f"%%xla --explain: torch_xla's Compilation Analysis of compile {k} of {len(events)} "
+                   f"(graph {ev.graph_hash[:8] or '?'}):")
+        out += ["  " + ln.rstrip() for ln in body] or ["   (no analysis recorded)"]
+    return "\n".join(out)
 
 
 def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
@@ -165,20 +207,28 @@ def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
     value = eval(last, shell.user_global_ns, shell.user_ns) if last is not None else None
     sync_from = compiles.event_count()
     hlo = _pending_hlo_report(shell) if args.hlo and _xla.runtime_initialized() else None
-    after = _synced_snapshot()
+    if _xla.runtime_initialized():
+        # The closing sync, called here and not in a helper: torch_xla records only the innermost
+        # frames (8 by default) and the cell's own frame must stay among them.
+        _xla.sync(wait=True)
+        _xla.wait_device_ops()
+    delta = snapshot_now() - before
 
-    delta = after - before
-    lines = _cell_event_lines(compiles.events_since(first_event), sync_from, number, delta)
+    found = _classified(first_event) if not args.quiet or args.max_compiles is not None else []
+    lines = _cell_event_lines(found, sync_from, number, delta)
+    explain = _explain(found, delta) if args.explain and not args.quiet else None
     if hlo is not None and not args.quiet:
         print(hlo)
     elif args.hlo and not args.quiet:
         print("%%xla --hlo: nothing ran on an XLA device in this cell.")
     if args.max_compiles is not None and delta.compiles > args.max_compiles:
+        if explain:
+            print(explain)  # asked for: shown even when the check fails
         message = (f"the cell compiled {plural(delta.compiles, 'graph')}, more than the {args.max_compiles} "
                    f"allowed by %%xla --max-compiles {args.max_compiles}:\n" + "\n".join(lines or [f"  {delta}"]))
         raise RecompilationError(message)
     if not args.quiet:
-        print("\n".join([f"%%xla: {delta}"] + lines))
+        print("\n".join([f"%%xla: {delta}"] + lines + ([explain] if explain else [])))
     return value
 
 
@@ -260,12 +310,15 @@ class Watch:
         if not delta.compiles and not delta.fallbacks:
             return None
         text = f"%xla_watch [{number}]: {delta}" if number is not None else f"%xla_watch: {delta}"
-        events = compiles.events_since(before[1])
+        events = _classified(before[1]) if delta.compiles else []
         if events:
-            ev = events[0]
-            flag = "recompilation" if ev.recompilation else "compile"
-            more = f" (+{len(events) - 1} more)" if len(events) > 1 else ""
-            text += f" — {flag} at {ev.where}: {ev.cause or 'cause not recorded'}{more}"
+            # The first recompilation (the alarm) when there is one, else the first compile.
+            ev = next((e for e in events if e.recompilation), events[0])
+            text += " — " + compile_line(ev, hint=ev.recompilation)
+            rest = [e.label for e in events if e is not ev]
+            if rest:
+                counts = ", ".join(plural(rest.count(k), k) for k in dict.fromkeys(rest))
+                text += f" (+{len(rest)} more: {counts})"
         elif delta.compiles and not compiles.tracing_enabled():
             text += " — causes unavailable (compile tracing is off)"
         return text

@@ -2,14 +2,16 @@
 
 - ``%tpu`` (alias ``%tpu_info``) ``[--device auto|tpu|cpu] [--cpu-devices N] [--spmd]
   [--no-trace] [--compile-cache DIR]``: set the runtime up if needed and show its report.
-- ``%%xla [--max-compiles N] [--quiet] [--hlo]``: run the cell, sync, and print what it
-  cost (compiles with cause and cell line, executions, transfers, CPU fallbacks);
-  ``--max-compiles N`` raises ``RecompilationError`` beyond N compiles.
+- ``%%xla [--max-compiles N] [--quiet] [--hlo] [--explain]``: run the cell, sync, and print
+  what it cost (executions, transfers, CPU fallbacks, and each compile: new graph, expected
+  compile or recompilation, where, the evidence and a hint); ``--max-compiles N`` raises
+  ``RecompilationError`` beyond N compiles; ``--explain`` adds torch_xla's own
+  "Compilation Analysis" of each compile.
 - ``%xla_metrics [--full] [--since-last] [--reset] [--json]``: a readable metrics table,
   or the change since the previous ``%xla_metrics``.
 - ``%xla_ir EXPR`` / ``%xla_hlo EXPR``: the lazy IR / HLO that would compute a tensor.
 - ``%xla_watch on|off``: after each cell, one line when it compiled or fell back to the
-  CPU, nothing otherwise.
+  CPU (its first recompilation, with the evidence, when there is one), nothing otherwise.
 - ``%xla_dashboard``: the live compile/execute dashboard.
 
 Load the extension before torch_xla is imported and compile tracing is switched
@@ -173,15 +175,23 @@ def _magics_class() -> type:
                   help="Before the closing sync, print the HLO of the computation the cell left pending "
                        "in its variables (tensors, modules' parameters, grads and buffers, optimizer state, "
                        "one level of list/tuple/dict): the graph that sync compiles, minus temporaries.")
+        @argument("--explain", action="store_true",
+                  help="Also print torch_xla's own \"Compilation Analysis\" of each compile of the cell "
+                       "(its cause, graph hash, input/output counts and the Python frames that triggered it).")
         @cell_magic
         def xla(self, line: str, cell: str) -> Any:
             """Run the cell, sync, and print what it cost.
 
             The summary line is the metrics change (compiles, executions, transfers,
-            .item() reads, CPU fallbacks), then one line per compile with its cause
-            and the cell line that triggered it ("the end of cell [N]" for the sync
-            %%xla adds). Work pending from earlier cells is synced first so it is not
-            counted here. The value of a last expression is returned (shown as Out).
+            .item() reads, CPU fallbacks), then one line per compile: its kind (new
+            graph, expected compile, or recompilation: the same computation compiled
+            again because an input shape/dtype or a baked-in value changed), the
+            graph's name (what cut it, the cell line, "the end of cell [N]" for the sync
+            %%xla adds, and its size), the evidence, a hint, and the graph hash last.
+            --max-compiles counts every compile, whatever its kind. --explain adds
+            torch_xla's own "Compilation Analysis" text of each compile. Work pending
+            from earlier cells is synced first so it is not counted here. The value of
+            a last expression is returned (shown as Out).
             """
             __tracebackhide__ = True
             return _magic_cells.xla(self.shell, parse_argstring(self.xla, line), line, cell)
@@ -214,7 +224,8 @@ def _magics_class() -> type:
 
         @magic_arguments()
         @argument("state", nargs="?", choices=("on", "off"), default=None,
-                  help="on: after every cell, print one line when it compiled or hit a CPU fallback; "
+                  help="on: after every cell, print one line when it compiled (naming its first "
+                       "recompilation, with the evidence, when there is one) or hit a CPU fallback; "
                        "off: stop. Without it, say whether watching is on.")
         @line_magic
         def xla_watch(self, line: str = "") -> None:

@@ -274,6 +274,9 @@ def configure(req: Request | None = None, env: environment.Environment | None = 
             trace = _CONFIGURED_TRACE = _new_trace_path()
             os.environ[TRACE_LEVEL_ENV] = "1"
             os.environ[TRACE_FILE_ENV] = trace
+            # torch_xla keeps 8 frames by default: too few to reach the user's line under a
+            # library loop (a Trainer, a device loader). Only written when something compiles.
+            os.environ.setdefault("PT_XLA_DEBUG_MAX_FRAME", "16")
             _configure_hlo_dump(trace)
         elif trace is None:
             problems.append(

@@ -8,7 +8,8 @@ thread draws the timeline PNG, which the next refresh shows. The front end is
 chosen once (:func:`~tpukit.widgets.frontend.choose_frontend`): live ipywidgets
 in a notebook, a short text line every ``text_every`` seconds elsewhere. Any
 exception inside the dashboard disables it with one TpukitWarning; the training
-loop never sees it.
+loop never sees it. When the tracked loop that opened it ends, the live widget is
+replaced in its output by the static report (:mod:`~tpukit.widgets.report`).
 """
 
 from __future__ import annotations
@@ -24,23 +25,16 @@ from typing import Any
 
 from tpukit import compiles, events, metrics
 from tpukit import runtime as _runtime
+from tpukit._text import plural
 from tpukit.errors import TpukitWarning
 
 from . import frontend, render
+from . import report as _report
 from .model import DashboardState, View
+from .report import Report
 
 logger = logging.getLogger("tpukit")
 MAX_REFRESH_HZ = 2.0
-
-
-def _display(*objs: Any) -> None:
-    """IPython's display, or print where IPython is missing (kept separate so tests can capture it)."""
-    try:
-        from IPython.display import display
-    except ImportError:  # pragma: no cover (IPython is there wherever widgets are)
-        print(*objs)
-        return
-    display(*objs)
 
 
 def _runtime_started() -> bool:
@@ -72,24 +66,11 @@ class _EarlyListener:
         self.dash.on_track_end(tracker)
 
 
-class Report:
-    """The static report: ``text/html`` table plus a ``text/plain`` summary (no widget state needed)."""
-
-    def __init__(self, view: View, runtime: Any, tracing: bool):
-        self.view, self.runtime, self.tracing = view, runtime, tracing
-
-    def _repr_html_(self) -> str:
-        return render.report_html(self.view, self.runtime, self.tracing)
-
-    def __repr__(self) -> str:
-        return render.text_report(self.view, self.runtime)
-
-
 class Dashboard:
     """Live view of steps, compiles, recompilations, transfers and fallbacks.
 
     ``tpukit.dashboard()`` opens one; ``track(..., dashboard=True)`` opens one for
-    the loop, closes it when the loop ends and renders :meth:`report`.
+    the loop, closes it when the loop ends and renders :meth:`report` in its place.
 
     batch_size: examples per step, for the throughput (else taken from the step records).
     mode: ``"auto"`` (widgets in Jupyter/Colab, text elsewhere; see
@@ -140,6 +121,7 @@ class Dashboard:
         self._final_printed = False
         self._owner = None
         self._displayed = False
+        self._slot: _report.Slot | None = None  # where the live box is shown (the report replaces it)
         self._memory = True  # ask for device memory until the device says it does not report it
         self._baseline = None
         self._live = None
@@ -155,7 +137,7 @@ class Dashboard:
                 self._live = live.LiveView(plot=self._plot_on)
                 self._refresh(force=True, draw_plot=False)  # the plot comes from its thread
                 if show:
-                    _display(self._live.box)
+                    self._slot = _report.show(self._live.box)
                     self._displayed = True
             elif show:
                 print(f"{render.header_text(_runtime.current())} (text mode: a summary every "
@@ -192,12 +174,12 @@ class Dashboard:
             self._fail(exc, "on_compile")
 
     def on_track_start(self, tracker: Any) -> None:
-        self.state.track_started()
+        self.state.track_started(tracker)
         if getattr(tracker, "dashboard", None) is self:
             self._owner = tracker
 
     def on_track_end(self, tracker: Any) -> None:
-        self.state.track_ended()
+        self.state.track_ended(tracker)
         if tracker is self._owner:  # the loop that opened this dashboard is over
             self.close()
 
@@ -319,8 +301,10 @@ class Dashboard:
             view = self.state.view()
             parts = {"header": render.header_html(_runtime.current(), compiles.tracing_enabled()),
                      "now": render.now_html(view),
+                     "verdict": render.verdict_html(view),
                      "counters": render.counters_html(view),
                      "alerts": render.alerts_html(view),
+                     "graphs": render.graphs_html(view),
                      "fallbacks": render.fallbacks_html(view)}
             changed = {k: v for k, v in parts.items() if self._last_parts.get(k) != v}
             png = None
@@ -367,7 +351,8 @@ class Dashboard:
         return any(t is not None and t.is_alive() for t in (self._thread, self._plot_thread))
 
     def close(self) -> None:
-        """Stop the thread, detach the listeners and render the final state (widgets stay, frozen)."""
+        """Stop the thread, detach the listeners and render the final state (widgets stay, frozen,
+        until :meth:`report` replaces them)."""
         if self.closed:
             return
         with self._attach_lock:  # no _attach() may slip in after this
@@ -392,19 +377,25 @@ class Dashboard:
             self._fail(exc, "close")
 
     def report(self) -> None:
-        """Show the static summary: an HTML table and a PNG timeline in a notebook (kept in
-        the saved file and on GitHub, no widget state needed), plain text elsewhere."""
+        """Show the static report (HTML tables and the PNG timeline, kept in the saved file and
+        on GitHub, no widget state needed; plain text elsewhere). Called in the cell that shows
+        the live widgets, it takes their place: the cell keeps the report only."""
         try:
             view = self.state.view()
             rt, tracing = _runtime.current(), compiles.tracing_enabled()
             if frontend.has_rich_display(self.context):
-                from IPython.display import Image
-
                 from .plot import report_png
 
-                title = f"{view.steps} steps · {view.compiles} compiles · {view.recompilations} recompilations"
-                png = report_png(self.state.timeline(), title)
-                _display(Report(view, rt, tracing), Image(data=png, format="png"))
+                png = report_png(self.state.timeline(), _report.title(view))
+                slot = self._slot
+                if slot is not None and slot.cell == _report.current_cell():
+                    self._slot = None
+                    slot.replace(Report(view, rt, tracing, png=png))  # the live box becomes the report
+                    self._live.close()
+                else:
+                    from IPython.display import Image
+
+                    _report.display(Report(view, rt, tracing), Image(data=png, format="png"))
             else:
                 text = render.text_report(view, rt, summary=not self._final_printed)
                 if text:
@@ -440,11 +431,11 @@ class Dashboard:
             return
         self._displayed = True
         if self._live is not None:
-            _display(self._live.box)
+            self._slot = _report.show(self._live.box)
         else:
             print(render.text_line(self.state.view()))
 
     def __repr__(self) -> str:
         status = "disabled" if self.disabled else "closed" if self.closed else "live"
-        return (f"<tpukit Dashboard {self.mode} {status}: {self.state.steps} steps, "
-                f"{self.state.view().recompilations} recompilations>")
+        return (f"<tpukit Dashboard {self.mode} {status}: {plural(self.state.steps, 'step')}, "
+                f"{plural(self.state.view().recompilations, 'recompilation')}>")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-PARTS = ("header", "now", "counters", "alerts", "fallbacks")
-REPR = "tpukit dashboard (live widgets; a static report follows at the end of a tracked loop)"
+PARTS = ("header", "now", "verdict", "counters", "alerts", "graphs", "fallbacks")
+REPR = "tpukit dashboard (live widgets; replaced by its report when the tracked loop ends)"
 
 
 class DashboardBox(widgets.VBox):
@@ -25,12 +25,13 @@ class LiveView:
 
     def __init__(self, plot: bool = True):
         self.html = {name: widgets.HTML(value="") for name in PARTS}
-        self.image = widgets.Image(format="png") if plot else None
+        # Hidden until the first PNG: an empty Image shows a broken-image icon (Colab).
+        self.image = widgets.Image(format="png", layout=widgets.Layout(display="none")) if plot else None
         h = self.html
-        children = [h["header"], h["now"], h["counters"]]
+        children = [h["header"], h["now"], h["verdict"], h["counters"]]
         if self.image is not None:
             children.append(self.image)
-        children += [h["alerts"], h["fallbacks"]]
+        children += [h["alerts"], h["graphs"], h["fallbacks"]]
         self.box = DashboardBox(children, layout=widgets.Layout(border="1px solid #e5e7eb", padding="4px 8px"))
         # Stable CSS classes (ipywidgets 7 and 8) so the page can be styled and tested.
         self.box.add_class("tpukit-dashboard")
@@ -45,7 +46,15 @@ class LiveView:
                 w.value = value
         if png is not None and self.image is not None:
             self.image.value = png
+            if self.image.layout.display == "none":
+                self.image.layout.display = None
 
     def values(self) -> dict:
         """Current HTML values by part name (what the front end shows)."""
         return {name: w.value for name, w in self.html.items()}
+
+    def close(self) -> None:
+        """Close the widget models (after the view was replaced by the report); values stay readable."""
+        for w in [self.box, *self.html.values(), *([self.image] if self.image is not None else [])]:
+            w.layout.close()
+            w.close()

@@ -2,9 +2,14 @@
 
 Pure and thread-safe: no UI library, no torch_xla. The listener side
 (:meth:`DashboardState.add_step`, :meth:`DashboardState.add_compile`) is O(1): it
-appends and marks the state dirty. Summarizing (medians, the now line, copies for
-the plot) happens in :meth:`DashboardState.view` and
+appends and marks the state dirty. Summarizing (medians, the now line, the
+verdict, copies for the plot) happens in :meth:`DashboardState.view` and
 :meth:`DashboardState.timeline`, on the rendering thread.
+
+Compiles are shown by the alarm contract of ``tpukit.classify``: only a
+*recompilation* is an alert (the red counter, the alert list); *new graphs* and
+*expected* compiles are counted and listed apart. Where the time goes comes from
+the tracked loop itself (``Tracker.verdict()``, ``Tracker.settled_after()``).
 """
 
 from __future__ import annotations
@@ -19,19 +24,33 @@ from typing import Any
 # After the last step record, the loop counts as running for this long (syncs
 # outside track() have no start/end signal of their own).
 BUSY_AFTER_STEP_S = 2.0
+RECOMPILATION, NEW, EXPECTED = "recompilation", "new graph", "expected"
+KINDS = (RECOMPILATION, NEW, EXPECTED)  # a CompileEvent's kind once classified ("compile" before)
+# The live verdict walks the loop's whole history: at most once a second, and never
+# more often than 50 times its own cost (a long history costs the loop under 2%).
+JUDGE_EVERY_S = 1.0
+JUDGE_COST_RATIO = 50.0
 
 
 @dataclass(frozen=True)
-class Alert:
-    """One recompilation, as shown in the alert list."""
+class Compile:
+    """One classified compile, as listed: a recompilation (an alert) or a new graph / expected compile."""
 
     index: int
     step: int | None
+    kind: str                   # "recompilation", "new graph", "expected"
+    label: str                  # "recompilation", "new graph", "expected compile"
+    name: str                   # where the graph was cut and its size
+    evidence: tuple[str, ...]
+    hint: str
     graph_hash: str
     where: str
     cause: str
-    hint: str
+    duration: float | None
     time: float
+
+
+Alert = Compile  # a recompilation row (the name the alert list always had)
 
 
 @dataclass(frozen=True)
@@ -61,37 +80,53 @@ class View:
     scalars: dict
     now: str
     now_kind: str  # "idle", "executing", "compiling", "stopped"
-    alerts: tuple[Alert, ...]
+    alerts: tuple[Compile, ...]  # recompilations only, latest first
     alerts_total: int
     note: str | None = None
+    new_graphs: int = 0
+    expected: int = 0
+    graphs: tuple[Compile, ...] = ()  # new graphs and expected compiles, latest first
+    verdict: Any = None          # tpukit.steps.Verdict of the tracked loop, None before/without one
+    settled_after: int | None = None
+    tracked: bool = False        # a tracked loop fed this dashboard (warm-up and verdict are known)
+    loop_done: bool = False      # ... and it has ended
 
 
 @dataclass(frozen=True)
 class Timeline:
-    """Per-step columns for the plot (copies, safe to use outside the lock)."""
+    """Per-step columns for the plot (copies, safe to use outside the lock).
+
+    The bars split each step's wall time: ``compile``, ``input`` (waiting for the
+    next batch), ``tracing`` (host time in the loop body and the sync) and ``device``
+    (host blocked on the device). Steps outside ``track()`` have no input/tracing
+    measurement: their host time goes to ``tracing`` and their execution time to ``device``.
+    """
 
     steps: list
     compile: list
-    execute: list
-    host: list
+    input: list
+    tracing: list
+    device: list
     scalars: dict = field(default_factory=dict)  # name -> (steps, values)
     version: int = 0
-
-
-def _short_hash(h: str) -> str:
-    return (h[:6] + "…") if h else "?"
+    x_end: float | None = None  # the last step the loop will have (the x axis stops there)
 
 
 def now_line(compiling: Any, now: float, busy_step: int | None) -> tuple[str, str]:
-    """The one-line status: ('compiling graph 5ca807… for 12 s, triggered by cell [7] line 5', 'compiling')."""
+    """The one-line status: ('compiling step graph at cell [7] line 5 (3 -> 2) for 12 s', 'compiling')."""
     if compiling is not None:
-        verb = "recompiling" if getattr(compiling, "recompilation", False) else "compiling"
         secs = max(0.0, now - compiling.start)
-        return (f"{verb} graph {_short_hash(compiling.graph_hash)} for {secs:.0f} s, "
-                f"triggered by {compiling.where}", "compiling")
+        name = getattr(compiling, "name", None) or f"graph at {compiling.where}"
+        return f"compiling {name} for {secs:.0f} s", "compiling"
     if busy_step is not None:
         return f"executing step {busy_step}", "executing"
     return "idle", "idle"
+
+
+def _row(ev: Any, step: int | None, now: float) -> Compile:
+    return Compile(ev.index, step, ev.kind, getattr(ev, "label", ev.kind), getattr(ev, "name", ev.where),
+                   tuple(getattr(ev, "evidence", ()) or ()), ev.hint or "", ev.graph_hash, ev.where, ev.cause,
+                   ev.duration, now)
 
 
 class DashboardState:
@@ -107,11 +142,8 @@ class DashboardState:
         self._lock = threading.RLock()
         self.opened = clock()
         h = max_history
-        self._steps: deque = deque(maxlen=h)
+        self._cols = {k: deque(maxlen=h) for k in ("steps", "compile", "input", "tracing", "device")}
         self._wall: deque = deque(maxlen=h)
-        self._compile_t: deque = deque(maxlen=h)
-        self._exec_t: deque = deque(maxlen=h)
-        self._host_t: deque = deque(maxlen=h)
         self._steady: deque = deque(maxlen=h)  # walls of steps without a compile
         self._scalars: dict[str, tuple[deque, deque]] = {}
         self._last_scalars: dict = {}
@@ -120,6 +152,9 @@ class DashboardState:
         self._last_step: int | None = None
         self._last_end: float | None = None
         self._record_batch: int | None = None
+        self._x_offset = 0  # plotted x = step + offset: loops restart at step 1, the plot goes on
+        self._last_x = 0
+        self._x_end: float | None = None
         self._sums = {"compiles": 0, "compile_time": 0.0, "executions": 0, "execute_time": 0.0,
                       "to_host": 0, "item_reads": 0}
         self._fallbacks: dict[str, int] = {}
@@ -127,10 +162,16 @@ class DashboardState:
         self._n_events = 0
         self._compiling = None
         self._alerts: deque = deque(maxlen=max_alerts)
-        self._alerted: set[int] = set()
-        self._alerts_total = 0
+        self._graphs: deque = deque(maxlen=max_alerts)
+        self._kind_of: dict[int, str] = {}  # event index -> kind, once classified
+        self._step_of: dict[int, int] = {}  # event index -> step, as its step record tells
+        self._counts = dict.fromkeys(KINDS, 0)
         self._delta = None
         self._tracking = 0
+        self._tracker = None  # the latest tracked loop (its verdict and warm-up)
+        self._judge_lock = threading.Lock()
+        self._judged: tuple = (None, None, None)  # (key, verdict, settled_after)
+        self._judge_next = 0.0
         self.note: str | None = None
         self._finished: float | None = None
         self.dirty = True
@@ -144,11 +185,22 @@ class DashboardState:
             self._last_step = rec.step
             self._last_end = rec.end
             wall = rec.wall
-            self._steps.append(rec.step)
+            x = rec.step + self._x_offset
+            if x <= self._last_x:  # a new loop started at step 1: continue the x axis after the last one
+                self._x_offset = self._last_x - rec.step + 1
+                x = self._last_x + 1
+            self._last_x = x
+            if rec.input_time is not None:  # measured by track()
+                parts = (rec.input_time, rec.tracing_time or 0.0, rec.wait_time or 0.0)
+            else:
+                parts = (0.0, rec.host_time, rec.execute_time)
+            c = self._cols
+            c["steps"].append(x)
+            c["compile"].append(rec.compile_time)
+            c["input"].append(parts[0])
+            c["tracing"].append(parts[1])
+            c["device"].append(parts[2])
             self._wall.append(wall)
-            self._compile_t.append(rec.compile_time)
-            self._exec_t.append(rec.execute_time)
-            self._host_t.append(rec.host_time)
             if not rec.compiles and not rec.compile_events:
                 self._steady.append(wall)
             s = self._sums
@@ -166,7 +218,7 @@ class DashboardState:
                 xs_ys = self._scalars.get(name)
                 if xs_ys is None:
                     xs_ys = self._scalars[name] = (deque(maxlen=self._max_history), deque(maxlen=self._max_history))
-                xs_ys[0].append(rec.step)
+                xs_ys[0].append(x)
                 xs_ys[1].append(value)
                 self._last_scalars[name] = value
             for ev in rec.compile_events:  # usually seen already through on_compile
@@ -189,17 +241,23 @@ class DashboardState:
                 self._compiling = ev
         elif self._compiling is not None and self._compiling.index == ev.index:
             self._compiling = None
-        if ev.recompilation:
-            if ev.index not in self._alerted:
-                self._alerted.add(ev.index)
-                self._alerts_total += 1
-                guess = step if step is not None else (self._last_step or 0) + 1
-                self._alerts.appendleft(Alert(ev.index, guess, ev.graph_hash, ev.where, ev.cause,
-                                              ev.hint or "", self._clock()))
-            elif step is not None:  # the record tells the step for sure
-                for i, a in enumerate(self._alerts):
-                    if a.index == ev.index and a.step != step:
-                        self._alerts[i] = Alert(a.index, step, a.graph_hash, a.where, a.cause, a.hint, a.time)
+        if step is not None:
+            self._step_of[ev.index] = step
+        kind = ev.kind
+        if kind not in KINDS:
+            return  # not classified yet: only the now line shows it
+        known = self._step_of.get(ev.index)
+        old = self._kind_of.get(ev.index)
+        if old is None:
+            self._kind_of[ev.index] = kind
+            self._counts[kind] += 1
+            guess = known if known is not None else (self._last_step or 0) + 1
+            (self._alerts if kind == RECOMPILATION else self._graphs).appendleft(_row(ev, guess, self._clock()))
+        elif known is not None:  # the record tells the step for sure
+            for rows in (self._alerts, self._graphs):
+                for i, a in enumerate(rows):
+                    if a.index == ev.index and a.step != known:
+                        rows[i] = _row(ev, known, a.time)
 
     def set_compiling(self, event: Any) -> None:
         """The compilation running now according to the trace file (None: none)."""
@@ -214,24 +272,33 @@ class DashboardState:
             self._delta = delta
             self.dirty = True
 
-    def track_started(self) -> None:
+    def track_started(self, tracker: Any = None) -> None:
+        """A tracked loop begins: its verdict and warm-up are shown, its ``total`` ends the x axis."""
         with self._lock:
             self._tracking += 1
+            if tracker is not None:
+                self._tracker = tracker
+                total = getattr(tracker, "total", None)
+                self._x_end = self._last_x + total if isinstance(total, int) and total > 0 else None
             self.dirty = True
 
-    def track_ended(self) -> None:
+    def track_ended(self, tracker: Any = None) -> None:
         with self._lock:
             self._tracking = max(0, self._tracking - 1)
             self._compiling = None
             self._last_end = None  # the loop is over: idle until another step arrives
+            self._x_end = self._last_x or None  # a loop ended early: the axis stops at its last step
             self.dirty = True
+        self.judge(force=True)  # the final verdict (with the last wait for the device)
 
     def finish(self) -> None:
         """The dashboard was closed: the now line says what ran, not what runs."""
         with self._lock:
             self._finished = self._clock()
             self._compiling = None
+            self._x_end = self._last_x or None
             self.dirty = True
+        self.judge(force=True)
 
     def take_dirty(self) -> bool:
         """Return whether anything changed since the last call, and clear the flag."""
@@ -244,9 +311,31 @@ class DashboardState:
     def steps(self) -> int:
         return self._n_steps
 
+    def judge(self, force: bool = False) -> tuple[Any, int | None]:
+        """(verdict, settled_after) of the latest tracked loop, from ``tracker.verdict()`` and
+        ``tracker.settled_after()``; recomputed when its history grew (throttled unless ``force``)."""
+        tracker = self._tracker
+        if tracker is None or not callable(getattr(tracker, "verdict", None)):
+            return None, None
+        with self._judge_lock:
+            key = (id(tracker), len(getattr(tracker, "history", ()) or ()), getattr(tracker, "finished", None))
+            cached_key, verdict, settled = self._judged
+            mono = time.monotonic()
+            if key == cached_key or (not force and cached_key is not None and cached_key[0] == key[0]
+                                     and mono < self._judge_next):
+                return verdict, settled
+            t0 = time.perf_counter()
+            verdict, settled = tracker.verdict(), tracker.settled_after()
+            cost = time.perf_counter() - t0
+            self._judge_next = mono + max(JUDGE_EVERY_S, JUDGE_COST_RATIO * cost)
+            self._judged = (key, verdict, settled)
+            self.dirty = True
+            return verdict, settled
+
     def view(self, now: float | None = None) -> View:
         """Everything the renderers need, computed now."""
         now = self._clock() if now is None else now
+        verdict, settled = self.judge()
         with self._lock:
             s = dict(self._sums)
             fallbacks = dict(self._fallbacks)
@@ -259,10 +348,11 @@ class DashboardState:
             text, kind = now_line(self._compiling, now, busy)
             if self._finished is not None:
                 text, kind = f"closed: {self._n_steps} steps in {self._finished - self.opened:.1f} s", "idle"
-            alerts = tuple(self._alerts)
+            alerts, graphs, counts = tuple(self._alerts), tuple(self._graphs), dict(self._counts)
             n_steps, last_step, n_events = self._n_steps, self._last_step, self._n_events
-            alerts_total, scalars, note = self._alerts_total, dict(self._last_scalars), self.note
-            record_batch = self._record_batch
+            scalars, note, record_batch = dict(self._last_scalars), self.note, self._record_batch
+            tracker = self._tracker
+            tracked, loop_done = tracker is not None, getattr(tracker, "finished", None) is not None
         # Step records cover syncs; the metrics delta covers everything since the
         # dashboard opened but is sampled less often. The larger is the fresher.
         cached = to_device = memory = None
@@ -279,15 +369,19 @@ class DashboardState:
             text, kind = note, "stopped"
         return View(time=now, elapsed=now - self.opened, steps=n_steps, last_step=last_step,
                     compiles=s["compiles"], cached_compiles=cached, compile_time=s["compile_time"],
-                    compile_events=n_events, recompilations=alerts_total, executions=s["executions"],
+                    compile_events=n_events, recompilations=counts[RECOMPILATION], executions=s["executions"],
                     execute_time=s["execute_time"], to_device=to_device, to_host=s["to_host"],
                     item_reads=s["item_reads"], fallbacks=fallbacks, last_step_s=last_wall,
                     median_step_s=median, throughput=throughput, batch_size=batch, memory=memory,
-                    scalars=scalars, now=text, now_kind=kind, alerts=alerts, alerts_total=alerts_total,
-                    note=note)
+                    scalars=scalars, now=text, now_kind=kind, alerts=alerts,
+                    alerts_total=counts[RECOMPILATION], note=note, new_graphs=counts[NEW],
+                    expected=counts[EXPECTED], graphs=graphs, verdict=verdict, settled_after=settled,
+                    tracked=tracked, loop_done=loop_done)
 
     def timeline(self) -> Timeline:
         """Copies of the per-step columns and scalar curves for the plot."""
         with self._lock:
-            return Timeline(list(self._steps), list(self._compile_t), list(self._exec_t), list(self._host_t),
-                            {k: (list(x), list(y)) for k, (x, y) in self._scalars.items()}, self.version)
+            c = self._cols
+            return Timeline(list(c["steps"]), list(c["compile"]), list(c["input"]), list(c["tracing"]),
+                            list(c["device"]), {k: (list(x), list(y)) for k, (x, y) in self._scalars.items()},
+                            self.version, self._x_end)

@@ -1,5 +1,8 @@
 """PNG rendering of the step timeline with matplotlib's Agg backend (no pyplot state).
 
+Each step is one stacked bar of where its wall time went: compile, waiting for
+input, host tracing, and waiting for the device (see
+:class:`~tpukit.widgets.model.Timeline`); the logged scalars are drawn below.
 :class:`TimelinePlot` builds its figure once and then only swaps data. Axis
 limits are rounded up to "nice" values, so the frame (axes, ticks, labels: the
 expensive text) changes rarely; it is drawn once, cached as pixels, and each
@@ -15,9 +18,11 @@ import math
 
 import numpy as np
 
+from tpukit._text import plural
+
 from .model import Timeline
 
-LAYERS = (("compile", "#f97316"), ("execute", "#2563eb"), ("host", "#9ca3af"))
+LAYERS = (("compile", "#f97316"), ("input", "#a855f7"), ("tracing", "#9ca3af"), ("device wait", "#2563eb"))
 MAX_BARS = 300
 MAX_CURVES = 6
 CLIP_RATIO = 4.0  # clip the y axis when compile steps are this much taller than steady ones
@@ -47,7 +52,7 @@ def nice_range(lo: float, hi: float) -> tuple[float, float]:
 
 
 class TimelinePlot:
-    """A reusable figure: stacked per-step bars (compile/execute/host time) over scalar curves."""
+    """A reusable figure: stacked per-step bars (compile/input/tracing/device wait) over scalar curves."""
 
     def __init__(self, width: float = 8.0, height: float = 3.4, dpi: int = 80, stable_limits: bool = True):
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -69,12 +74,16 @@ class TimelinePlot:
             self.ax_t.add_patch(patch)
             self.layers.append(patch)
             # Coloured words instead of a legend (a legend redraws boxes and handles).
-        for i, (name, colour) in enumerate(LAYERS):
-            self.ax_t.text(0.09 * i, 1.02, name, transform=self.ax_t.transAxes, fontsize=TINY,
-                           color=colour, va="bottom", fontweight="bold")
+        prev = None
+        for name, colour in LAYERS:  # each word right after the previous one, whatever the font
+            where = {"xy": (0.0, 1.02), "xycoords": "axes fraction"} if prev is None else \
+                {"xy": (1.0, 0.0), "xycoords": prev, "xytext": (8, 0), "textcoords": "offset points"}
+            prev = self.ax_t.annotate(name, **where, fontsize=TINY, color=colour, va="bottom",
+                                      fontweight="bold")
         (self.clip_marks,) = self.ax_t.plot([], [], linestyle="none", marker="^", color="#b91c1c", markersize=5)
-        self.clip_text = self.ax_t.text(0.29, 1.02, "", transform=self.ax_t.transAxes, fontsize=TINY,
-                                        color="#b91c1c", va="bottom")
+        self.clip_text = self.ax_t.annotate("", xy=(1.0, 0.0), xycoords=prev, xytext=(12, 0),
+                                            textcoords="offset points", fontsize=TINY, color="#b91c1c",
+                                            va="bottom")
         self.title = self.ax_t.text(1.0, 1.02, "", transform=self.ax_t.transAxes, fontsize=TINY, ha="right",
                                     va="bottom")
         self.ax_t.set_ylabel("seconds", fontsize=TINY)
@@ -119,7 +128,7 @@ class TimelinePlot:
     def draw(self, tl: Timeline, title: str = "") -> tuple:
         """Swap the data into the artists; return the frame key (the limits and labels)."""
         x = np.asarray(tl.steps, dtype=float)
-        cols = [np.asarray(c, dtype=float) for c in (tl.compile, tl.execute, tl.host)]
+        cols = [np.asarray(c, dtype=float) for c in (tl.compile, tl.input, tl.tracing, tl.device)]
         k = 1
         if len(x) > MAX_BARS:
             # Powers of two: the bin size (and the cached frame's title) changes rarely.
@@ -146,7 +155,7 @@ class TimelinePlot:
                 top_y = nice_ceil(2.0 * ref)
                 clipped = total > top_y
                 self.clip_marks.set_data(x[clipped], np.full(int(clipped.sum()), top_y * 0.96))
-                self.clip_text.set_text(f"▲ {int(clipped.sum())} step(s) clipped, up to {ymax:.2f} s (compiles)")
+                self.clip_text.set_text(f"▲ {plural(int(clipped.sum()), 'bar' if k > 1 else 'step')} clipped (up to {ymax:.2f} s)")
             else:
                 top_y = nice_ceil(ymax * 1.1)
             prev = self._sticky.get("t")
@@ -154,7 +163,10 @@ class TimelinePlot:
                 top_y = prev  # hysteresis: noisy step times must not redraw the frame every time
             self._sticky["t"] = top_y
             ylim = (0.0, top_y)
-            xlim = (float(x[0]) - 2 * half, self._round(float(x[-1]) + 2 * half))
+            right = self._round(float(x[-1]) + 2 * half)
+            if tl.x_end is not None:  # never past the loop's last step
+                right = min(right, max(float(tl.x_end), float(x[-1])) + 2 * half)
+            xlim = (float(x[0]) - 2 * half, right)
         else:
             for patch in self.layers:
                 patch.set_path(self._Path(np.zeros((1, 2))))

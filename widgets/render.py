@@ -7,6 +7,7 @@ notebooks and on GitHub, which drop <style> blocks).
 
 from __future__ import annotations
 
+import base64
 import html
 from typing import Any
 
@@ -18,10 +19,15 @@ WARN = "#b45309"
 BAD = "#b91c1c"
 MUTED = "#6b7280"
 _KIND_COLOUR = {"idle": MUTED, "executing": "#15803d", "compiling": "#c2410c", "stopped": BAD}
+_MUTED_COUNTERS = ("new graphs", "expected compiles", "warm-up")
 
 
 def _e(x: Any) -> str:
     return html.escape(str(x))
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:] if text else text
 
 
 # ---------------------------------------------------------------- header
@@ -57,6 +63,17 @@ def header_text(runtime: Any) -> str:
 
 # ---------------------------------------------------------------- counters
 
+def warmup_text(v: View) -> str | None:
+    """'settled after step 2', 'no compiles', 'not settled yet' / 'never settled'; None outside track()."""
+    if not v.tracked or not v.steps:
+        return None
+    if v.settled_after is None:
+        return "never settled: new graphs kept compiling" if v.loop_done else "not settled yet"
+    if v.settled_after == 0:
+        return "none: nothing compiled"
+    return f"settled after step {v.settled_after}"
+
+
 def counter_rows(v: View) -> list[tuple[str, str]]:
     """The counters as (label, value) rows, shared by HTML and text."""
     compiles = f"{v.compiles} ({seconds(v.compile_time)})"
@@ -67,10 +84,15 @@ def counter_rows(v: View) -> list[tuple[str, str]]:
     rows = [("steps", str(v.steps)),
             ("compiles", compiles),
             ("recompilations", str(v.recompilations)),
-            ("executions", f"{v.executions} ({seconds(v.execute_time)})"),
-            ("transfers", transfers),
-            ("CPU fallbacks", str(sum(v.fallbacks.values())) if v.fallbacks else "0"),
-            ("step time", f"last {seconds(v.last_step_s)}, median {seconds(v.median_step_s)}")]
+            ("new graphs", str(v.new_graphs)),
+            ("expected compiles", str(v.expected))]
+    warmup = warmup_text(v)
+    if warmup:
+        rows.append(("warm-up", warmup))
+    rows += [("executions", f"{v.executions} ({seconds(v.execute_time)})"),
+             ("transfers", transfers),
+             ("CPU fallbacks", str(sum(v.fallbacks.values())) if v.fallbacks else "0"),
+             ("step time", f"last {seconds(v.last_step_s)}, median {seconds(v.median_step_s)}")]
     if v.throughput is not None:
         rows.append(("throughput", f"{v.throughput:,.1f} examples/s (batch {v.batch_size})"))
     if v.memory:
@@ -81,43 +103,95 @@ def counter_rows(v: View) -> list[tuple[str, str]]:
     return rows
 
 
+def _counter_value(v: View, label: str, value: str) -> str:
+    if label == "recompilations" and v.recompilations:
+        return f"<b style='color:{BAD}'>{_e(value)}</b>"  # the alarm: only recompilations are red
+    if label in _MUTED_COUNTERS:
+        return f"<span style='color:{MUTED}'>{_e(value)}</span>"
+    return _e(value)
+
+
 def counters_html(v: View) -> str:
     """The counters as a compact two-column grid."""
     rows = counter_rows(v)
     half = (len(rows) + 1) // 2
     cols = []
     for chunk in (rows[:half], rows[half:]):
-        cells = [(f"<span style='color:{MUTED}'>{_e(k)}</span>",
-                  f"<b style='color:{BAD}'>{_e(val)}</b>" if k == "recompilations" and v.recompilations
-                  else _e(val)) for k, val in chunk]
+        cells = [(f"<span style='color:{MUTED}'>{_e(k)}</span>", _counter_value(v, k, val)) for k, val in chunk]
         cols.append(table_html(cells, raw=True))
     return "<div style='display:flex;gap:2em'>" + "".join(f"<div>{c}</div>" for c in cols) + "</div>"
 
 
-# ---------------------------------------------------------------- now line
+# ---------------------------------------------------------------- now line, verdict
 
 def now_html(v: View) -> str:
-    """The now line (idle / executing step N / compiling graph ... for N s, triggered by ...)."""
+    """The now line (idle / executing step N / compiling <graph> for N s)."""
     colour = _KIND_COLOUR.get(v.now_kind, MUTED)
     return f"<div><span style='color:{colour}'>●</span> <b>now</b> {_e(v.now)}</div>"
 
 
-# ---------------------------------------------------------------- alerts
+def verdict_text(v: View) -> str | None:
+    """Where the time goes, as one sentence with the shares and one suggestion (None before a tracked loop)."""
+    if v.verdict is None:
+        return None
+    return f"{v.verdict.sentence}; {v.verdict.suggestion}."
+
+
+def verdict_html(v: View) -> str:
+    """The verdict line, with the bottleneck in bold ('' before a tracked loop has steps)."""
+    text = verdict_text(v)
+    if text is None:
+        return ""
+    kind = v.verdict.bottleneck
+    head, _, rest = text.partition(f"{kind}-bound")
+    body = _e(head) + f"<b>{_e(kind)}-bound</b>" + _e(rest) if _ else _e(text)
+    return f"<div><b>where the time goes:</b> {body}</div>"
+
+
+# ---------------------------------------------------------------- compiles
 
 def alert_rows(v: View) -> list[tuple[str, ...]]:
-    """(step, graph, where, cause, hint) per shown recompilation, latest first."""
-    return [(str(a.step) if a.step is not None else "?", (a.graph_hash[:6] + "…") if a.graph_hash else "?",
-             a.where, a.cause, a.hint) for a in v.alerts]
+    """(step, graph, what changed, what to do, hash) per shown recompilation, latest first."""
+    return [(str(a.step) if a.step is not None else "?", a.name, "; ".join(a.evidence) or a.cause,
+             _sentence(a.hint), (a.graph_hash[:6] + "…") if a.graph_hash else "?") for a in v.alerts]
 
 
 def alerts_html(v: View) -> str:
-    """One row per recompilation (latest first), with hint, cause and the user's cell and line."""
+    """One row per recompilation (latest first): the graph by name, the evidence, the hint; hash last."""
     if not v.alerts_total:
         return f"<div style='color:{MUTED}'>no recompilations</div>"
     more = v.alerts_total - len(v.alerts)
     title = (f"<div style='color:{BAD}'><b>{plural(v.alerts_total, 'recompilation')}</b>"
-             + (f" (latest {len(v.alerts)} shown)" if more else "") + "</div>")
-    return title + table_html(alert_rows(v), head=("step", "graph", "where", "cause", "hint"))
+             f" (the same computation compiled again: it keeps happening until its cause is fixed)"
+             + (f", latest {len(v.alerts)} shown" if more else "") + "</div>")
+    rows = [(_e(s), _e(name), _e(ev), _e(hint), f"<span style='color:{MUTED}'>{_e(h)}</span>")
+            for s, name, ev, hint, h in alert_rows(v)]
+    return title + table_html(rows, head=("step", "graph", "what changed", "what to do", "hash"), raw=True)
+
+
+def graph_rows(v: View) -> list[tuple[str, ...]]:
+    """(step, kind, graph, what is new) per shown new graph or expected compile, latest first."""
+    return [(str(g.step) if g.step is not None else "?", g.label, g.name, "; ".join(g.evidence))
+            for g in v.graphs]
+
+
+def graphs_title(v: View) -> str:
+    """'2 new graphs, 1 expected compile (not alarms)'."""
+    parts = [plural(v.new_graphs, "new graph")]
+    if v.expected:
+        parts.append(plural(v.expected, "expected compile"))
+    return ", ".join(parts) + " (not alarms)"
+
+
+def graphs_html(v: View) -> str:
+    """New graphs and expected compiles, muted: what compiled and why it is not an alarm."""
+    if not v.new_graphs and not v.expected:
+        return ""
+    more = v.new_graphs + v.expected - len(v.graphs)
+    title = f"<div style='color:{MUTED}'><b>{_e(graphs_title(v))}</b>" + (
+        f", latest {len(v.graphs)} shown" if more > 0 else "") + "</div>"
+    return (f"<div style='color:{MUTED}'>" + title
+            + table_html(graph_rows(v), head=("step", "kind", "graph", "what is new")) + "</div>")
 
 
 # ---------------------------------------------------------------- fallbacks
@@ -145,24 +219,36 @@ def text_line(v: View, final: bool = False) -> str:
         parts.append(f"{v.throughput:,.1f} ex/s")
     parts += [f"{k} {x:.4g}" for k, x in list(v.scalars.items())[:3]]
     if v.fallbacks:
-        parts.append(f"{sum(v.fallbacks.values())} CPU fallbacks")
+        parts.append(plural(sum(v.fallbacks.values()), "CPU fallback"))
     if final:
+        if v.verdict is not None:
+            parts.append(f"{v.verdict.bottleneck}-bound")
         return "tpukit: done · " + " · ".join(parts + [f"{v.elapsed:.1f} s"])
     parts.append(v.now)
     return "tpukit: " + " · ".join(parts)
 
 
 def text_report(v: View, runtime: Any = None, summary: bool = True) -> str:
-    """Multi-line plain-text report: counters, recompilations, fallbacks."""
+    """Multi-line plain-text report: counters, where the time goes, recompilations, new graphs, fallbacks."""
     lines = []
     if summary:
         lines.append(header_text(runtime))
         w = max(len(k) for k, _ in counter_rows(v))
         lines += [f"  {k:<{w}}  {val}" for k, val in counter_rows(v)]
+    verdict = verdict_text(v)
+    if verdict:
+        lines.append(f"  where the time goes: {verdict}")
     for a in v.alerts:
-        lines.append(f"  recompilation at step {a.step if a.step is not None else '?'}, {a.where}: {a.cause}. {a.hint}")
+        text = f"  recompilation at step {a.step if a.step is not None else '?'}: {a.name}"
+        text += f": {'; '.join(a.evidence) or a.cause}"
+        if a.hint:
+            text += f". {_sentence(a.hint)}"
+        lines.append(text + f" [graph {a.graph_hash[:8]}]")
     if v.alerts_total > len(v.alerts):
-        lines.append(f"  ... {v.alerts_total - len(v.alerts)} earlier recompilation(s) not shown")
+        lines.append(f"  ... {plural(v.alerts_total - len(v.alerts), 'earlier recompilation')} not shown")
+    for g in v.graphs:
+        lines.append(f"  {g.label} at step {g.step if g.step is not None else '?'}: {g.name}"
+                     + (f": {'; '.join(g.evidence)}" if g.evidence else ""))
     for op, n in sorted(v.fallbacks.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"  CPU fallback {op} x{n}")
     return "\n".join(lines)
@@ -170,8 +256,16 @@ def text_report(v: View, runtime: Any = None, summary: bool = True) -> str:
 
 # ---------------------------------------------------------------- static report
 
-def report_html(v: View, runtime: Any, tracing: bool) -> str:
-    """The static report: header, counters table, recompilations and fallbacks (no widgets needed)."""
+def image_html(png: bytes) -> str:
+    """A PNG inside the HTML itself (data URI), so the report is one self-contained output."""
+    data = base64.b64encode(png).decode("ascii")
+    return f"<div><img style='max-width:100%' alt='step timeline' src='data:image/png;base64,{data}'/></div>"
+
+
+def report_html(v: View, runtime: Any, tracing: bool, png: bytes | None = None) -> str:
+    """The static report: header, where the time goes, counters, the timeline (when ``png``),
+    recompilations, new graphs and fallbacks (no widgets needed)."""
     return ("<div class='tpukit-report'>" + header_html(runtime, tracing, title="tpukit report")
-            + table_html(counter_rows(v))
-            + alerts_html(v) + fallbacks_html(v) + "</div>")
+            + verdict_html(v) + table_html([(_e(k), _counter_value(v, k, val)) for k, val in counter_rows(v)], raw=True)
+            + (image_html(png) if png else "")
+            + alerts_html(v) + graphs_html(v) + fallbacks_html(v) + "</div>")

@@ -4,8 +4,11 @@ Starts JupyterLab from the project's environment on a free 127.0.0.1 port with a
 token, opens a small notebook, runs ``%load_ext tpukit``, ``%tpu``, an ``%%xla``
 cell and a short training loop with the live dashboard, and checks the page's
 DOM: the header names the device, the step counter grows while the cell is still
-running, a deliberate recompilation shows up as an alert naming the cell and
-line, and the static report image exists after the loop. Screenshots of the live
+running, a deliberate recompilation shows up as an alert naming the graph (cell
+and line) and the input that changed, the first graphs are shown as new graphs
+(not alarms), and when the loop ends the cell holds one thing: the static report
+(where the time goes, the tables, the timeline image) in place of the live
+widget. Screenshots of the live
 dashboard and the report go to build/e2e/ (so a test run leaves the checkout
 clean), or to $TPUKIT_SCREENSHOTS: ``make screenshots`` sets it to docs/images to
 refresh the README's images on purpose. On failure the page is saved to
@@ -58,6 +61,11 @@ CELLS = [
 ]
 
 
+# JupyterLab's own settings for the test server: no "news?" toast over the screenshots.
+LAB_SETTINGS = {"@jupyterlab/apputils-extension/notification.jupyterlab-settings":
+                {"fetchNews": "false", "checkForUpdates": False}}
+
+
 def _notebook() -> dict:
     cells = [{"cell_type": "code", "execution_count": None, "id": f"c{i}", "metadata": {}, "outputs": [],
               "source": src} for i, src in enumerate(CELLS)]
@@ -75,6 +83,10 @@ def _free_port() -> int:
 def lab(tmp_path):
     """A JupyterLab server on 127.0.0.1 serving a folder with the test notebook; stopped whatever happens."""
     (tmp_path / "e2e.ipynb").write_text(json.dumps(_notebook()))
+    settings = tmp_path.parent / (tmp_path.name + "-settings")
+    for name, values in LAB_SETTINGS.items():
+        (settings / name).parent.mkdir(parents=True, exist_ok=True)
+        (settings / name).write_text(json.dumps(values))
     port, token = _free_port(), secrets.token_hex(16)
     # A user's environment: the widget front end, not the text fallback CI/nbval get.
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "NBVAL", "TPUKIT_DASHBOARD")}
@@ -83,6 +95,7 @@ def lab(tmp_path):
     proc = subprocess.Popen(
         [str(jupyter), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
+         f"--LabApp.user_settings_dir={settings}",
          "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=False"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
@@ -107,8 +120,18 @@ def lab(tmp_path):
 
 
 def _steps(text: str) -> int | None:
-    m = re.search(r"steps\s+(\d+)", text)
+    m = re.search(r"^steps\s+(\d+)", text, re.MULTILINE)
     return int(m.group(1)) if m else None
+
+
+def _text(locator) -> str:
+    """The element's text, or "" when it is gone (the live widget is replaced when the loop ends)."""
+    from playwright.sync_api import Error
+
+    try:
+        return locator.inner_text(timeout=1000)
+    except Error:  # a timeout (TimeoutError is a subclass) or a detached node
+        return ""
 
 
 def test_dashboard_and_magics_in_jupyterlab(lab):
@@ -150,47 +173,50 @@ def test_dashboard_and_magics_in_jupyterlab(lab):
             counters = dash.locator(".tpukit-counters")
             prompt = page.locator(".jp-Cell").nth(3).locator(".jp-InputPrompt")
             seen_while_running = []
+            live_alerts = live_graphs = ""
             live_shot = False
             deadline = time.time() + 300
             while time.time() < deadline:
                 running = "*" in prompt.inner_text()
-                steps = _steps(counters.inner_text())
+                steps = _steps(_text(counters))
                 if not running:
                     break
                 if steps is not None:
                     seen_while_running.append(steps)
                     if steps >= 16 and not live_shot:  # after the recompilation, loop still running
-                        IMAGES.mkdir(parents=True, exist_ok=True)
-                        dash.screenshot(path=str(IMAGES / "dashboard_live.png"))
-                        live_shot = True
+                        live_alerts, live_graphs = _text(dash.locator(".tpukit-alerts")), _text(dash.locator(".tpukit-graphs"))
+                        if f"cell [4] line {LOOP_LINE}" in live_alerts:
+                            IMAGES.mkdir(parents=True, exist_ok=True)
+                            dash.screenshot(path=str(IMAGES / "dashboard_live.png"))
+                            live_shot = True
                 page.wait_for_timeout(300)
             # The counter grew while the cell was still running (live updates, not a final render).
             assert len(set(seen_while_running)) >= 2 and max(seen_while_running) > min(seen_while_running), \
                 seen_while_running
+            assert live_shot, ("the loop ended before the dashboard could be photographed live with its alert",
+                               live_alerts)
 
-            # The deliberate recompilation appears as an alert naming the cell and line.
-            page.wait_for_function(
-                "() => /cell \\[4\\] line \\d+/.test((document.querySelector('.tpukit-dashboard .tpukit-alerts') || {}).innerText || '')",
-                timeout=180_000)
-            alerts = dash.locator(".tpukit-alerts").inner_text()
-            assert f"cell [4] line {LOOP_LINE}" in alerts, alerts
-            assert live_shot, "the loop ended before the dashboard could be photographed live"
+            # The deliberate recompilation is the one alarm: it names the graph (cell and line) and the
+            # input that changed; the first graphs (AdamW's state, the steady step) are not alarms.
+            assert "1 recompilation" in live_alerts and f"step graph at cell [4] line {LOOP_LINE}" in live_alerts
+            assert "(16, 8) -> (12, 8)" in live_alerts and "Bucket or pad" in live_alerts, live_alerts
+            assert "2 new graphs (not alarms)" in live_graphs and "first graph here" in live_graphs, live_graphs
 
-            # After the loop: the static report (table + PNG) survives without widgets.
+            # After the loop the cell holds one thing: the static report, in place of the live widget.
             page.wait_for_function(
                 "() => document.querySelectorAll('.jp-Cell')[3].querySelector('.jp-InputPrompt').innerText.includes('[4]')",
                 timeout=300_000)
-            report_img = page.locator(".jp-Cell").nth(3).locator(".jp-RenderedImage img, .jp-RenderedHTMLCommon img")
-            report_img.first.wait_for(timeout=60_000)
-            assert (report_img.first.get_attribute("src") or "").startswith(("data:image/png", "blob:"))
-            final = page.locator(".jp-Cell").nth(3).locator(".tpukit-report").first
+            cell = page.locator(".jp-Cell").nth(3)
+            final = cell.locator(".tpukit-report").first
             final.wait_for(timeout=60_000)
-            assert _steps(final.inner_text()) == 24
-            news = page.locator(".jp-toast-button", has_text="No")  # JupyterLab's "notify about news?" toast
-            if news.count():
-                news.first.click()
-                page.wait_for_timeout(500)
-            page.locator(".jp-Cell").nth(3).locator(".jp-OutputArea").screenshot(path=str(IMAGES / "dashboard_report.png"))
+            assert cell.locator(".tpukit-dashboard").count() == 0 and cell.locator(".tpukit-report").count() == 1
+            report_img = final.locator("img")
+            assert (report_img.first.get_attribute("src") or "").startswith("data:image/png")
+            text = final.inner_text()
+            assert _steps(text) == 24 and "1 recompilation" in text and "(16, 8) -> (12, 8)" in text, text
+            assert "where the time goes" in text and "-bound over" in text, text
+            assert re.search(r"warm-up\s+settled after step 13", text), text
+            cell.locator(".jp-OutputArea").screenshot(path=str(IMAGES / "dashboard_report.png"))
         except Exception:
             BUILD.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(BUILD / "failure.png"), full_page=True)
