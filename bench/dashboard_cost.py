@@ -40,7 +40,7 @@ def record(step: int, t0: float) -> StepRecord:
     events = ()
     if step == 500:  # one recompilation in the history, so the alert list is not empty
         events = (CompileEvent(index=step, start=t0, end=t0 + 1, cause="user code", graph_hash="5ca807d1",
-                               inputs=3, outputs=2, frames=(Frame("step", "train.py", 12),), recompilation=True,
+                               inputs=3, outputs=2, frames=(Frame("step", "train.py", 12),), recompilation=True, kind="recompilation",
                                hint="a tensor shape changed"),)
     start = t0 + step * 0.05
     return StepRecord(step=step, start=start, end=start + 0.05 + (2.0 if compiles else 0.0), compiles=compiles,
