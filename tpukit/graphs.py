@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import Counter
 import re
 import threading
 from dataclasses import dataclass
@@ -23,6 +24,11 @@ from dataclasses import dataclass
 _MODULE_FILE = re.compile(r"^module_(\d+)\.(?P<name>[\w.\-]+?)\.before_optimizations\.txt$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<rest>.*)$")
 _LAYOUT = re.compile(r"\{[^{}]*\}")
+_COMMENT = re.compile(r"/\*.*?\*/")  # XLA writes /*index=5*/ before every fifth parameter
+# Left out of the structure: torch_xla lowers the same computation with more or fewer
+# transposes/copies from one trace to the next, and a Python scalar used twice is two
+# constants when baked in but one parameter when not. Scalar leaves are compared apart.
+_NOT_STRUCTURE = ("transpose", "copy", "bitcast", "scalar")
 
 
 @dataclass(frozen=True)
@@ -72,7 +78,7 @@ def _split_top(text: str) -> list[str]:
 
 
 def _shapes(text: str) -> tuple[str, ...]:
-    text = _LAYOUT.sub("", text).strip()
+    text = _LAYOUT.sub("", _COMMENT.sub("", text)).strip()
     if text.startswith("(") and text.endswith(")"):
         text = text[1:-1]
     return tuple(s for s in _split_top(text) if s)
@@ -114,10 +120,10 @@ def parse_hlo(text: str, module: int = -1) -> Graph:
         if not im:
             continue
         shape, op, args = _shape_and_op(im.group("rest"))
-        name = im.group("name")
-        opcode[name] = op
+        var = im.group("name")
+        opcode[var] = op
         if op == "constant" and shape.endswith("[]"):
-            consts[name] = (shape[:-2], args.split(")", 1)[0])
+            consts[var] = (shape[:-2], args.split(")", 1)[0])
             ops.append("scalar")  # constants and scalar parameters are interchangeable leaves
             continue
         if op == "parameter":
@@ -125,12 +131,12 @@ def parse_hlo(text: str, module: int = -1) -> Graph:
             continue
         ops.append(op)
         for ref in re.findall(r"%([\w.\-]+)", args):
-            consumer.setdefault(ref, name)
+            consumer.setdefault(ref, var)
     counted = [o for o in ops if o not in ("scalar", "parameter")]
     counts: dict[str, int] = {}
     for o in counted:
         counts[o] = counts.get(o, 0) + 1
-    structure = hashlib.sha1("\n".join(ops).encode()).hexdigest()[:16]
+    structure = hashlib.sha1("\n".join(o for o in ops if o not in _NOT_STRUCTURE).encode()).hexdigest()[:16]
     constants = tuple(Constant(d, v, _user_op(n, consumer, opcode)) for n, (d, v) in consts.items())
     return Graph(module=module, name=name, ops=len(counted), inputs=inputs, outputs=outputs,
                  constants=constants, structure=structure,
@@ -170,7 +176,7 @@ def diff(old: Graph, new: Graph) -> list[str]:
             parts.append(added)
         return parts or ["the same size but other operations"]
     if len(new.inputs) != len(old.inputs):
-        gone = [c for c in old.constants if c.value in ("0", "1") and c not in new.constants]
+        gone = [c for c in Counter(old.constants) - Counter(new.constants) if c.value in ("0", "1")]
         what = f"the constant {gone[0].value} in {gone[0].used_by}" if gone else "a baked-in scalar"
         return [f"{what} became an input ({len(old.inputs)} -> {len(new.inputs)} inputs): torch_xla bakes "
                 "0 and 1 into the graph, so a value that moves away from 0/1 compiles once more"]
