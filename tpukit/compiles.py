@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sysconfig
 import threading
 import time
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ _HIDDEN_PARTS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + o
                  os.sep + "ipykernel" + os.sep)
 _MACHINERY_PARTS = _HIDDEN_PARTS[2:]
 _SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LIB_ROOTS = (os.path.join(_SRC, "tpukit") + os.sep, os.path.join(_SRC, "widgets") + os.sep)
+_LIB_ROOTS = (os.path.join(_SRC, "tpukit") + os.sep, os.path.join(_SRC, "widgets") + os.sep,
+              sysconfig.get_paths()["stdlib"] + os.sep)  # contextlib, threading, ...
 
 
 @dataclass(frozen=True)
@@ -125,9 +127,18 @@ class CompileEvent:
 
     @property
     def cut(self) -> str:
-        """What cut the graph: "step" (a sync), "loader sync" (torch_xla's device loader), "forced read"."""
+        """What cut the graph: "step" (a sync), "loader sync" (torch_xla's device loader),
+        "forced read", "torch_xla.compile" (a compiled function, or the flush before it),
+        "dynamo" (torch.compile's openxla backend) or "eager op" (eager mode)."""
+        cause = self.cause.lower()
         if self.forced:
             return "forced read"
+        if "dynamo" in cause:
+            return "dynamo input sync" if "sync" in cause else "dynamo"
+        if "torch_xla.compile" in cause:
+            return "torch_xla.compile flush" if "prior" in cause else "torch_xla.compile"
+        if "eager" in cause:
+            return "eager op"
         if any("parallel_loader" in f.filename for f in self.frames):
             return "loader sync"
         return "step"
@@ -354,7 +365,7 @@ class CompileLog:
             if graph is None and self.hlo.path and now - self._ended_at.setdefault(i, now) < 2.0:
                 continue  # its HLO file may still be on its way
             user = ev.user_frames
-            place = tuple((f.filename, f.line) for f in (user or ev.frames)) or ("<unknown>",)
+            place = (ev.cut,) + (tuple((f.filename, f.line) for f in (user or ev.frames)) or ("<unknown>",))
             found = self.classifier.classify(place, graph, self._event_inputs.pop(i, None),
                                              (ev.inputs, ev.outputs), self.declared)
             hint = classify.FORCED_HINT if ev.forced and found.kind == classify.NEW else found.hint

@@ -275,8 +275,8 @@ def configure(req: Request | None = None, env: environment.Environment | None = 
             os.environ[TRACE_LEVEL_ENV] = "1"
             os.environ[TRACE_FILE_ENV] = trace
             # torch_xla keeps 8 frames by default: too few to reach the user's line under a
-            # library loop (a Trainer, a device loader). Only written when something compiles.
-            os.environ.setdefault("PT_XLA_DEBUG_MAX_FRAME", "16")
+            # library loop (a Trainer, a device loader, dynamo). Only written when something compiles.
+            os.environ.setdefault("PT_XLA_DEBUG_MAX_FRAME", "64")
             _configure_hlo_dump(trace)
         elif trace is None:
             problems.append(
