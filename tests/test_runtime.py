@@ -253,3 +253,34 @@ def test_scale_note_says_what_one_or_many_devices_can_do():
     assert eight.scale_note().startswith("8 devices") and "multiple of 8" in eight.scale_note()
     assert "turn SPMD on" in dataclasses.replace(eight, spmd=False).scale_note()
     assert ("multi-core", base.scale_note()) in base.rows()
+
+
+def test_compile_cache_plan_is_keyed_and_on_only_for_a_tpu(monkeypatch, tmp_path):
+    """The cache plan (the TPU is mocked: kind='TPU' and its environment; a TPU cannot exist here)."""
+    from tpukit import cache
+    from tpukit.environment import Environment
+
+    env = Environment(platform="colab", tpu_signals=("TPU_ACCELERATOR_TYPE=v5litepod-1",), pjrt_device=None,
+                      versions={"torch_xla": "2.9.0", "libtpu": "0.0.21.1"})
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-1")
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path))
+    on = cache.plan("TPU", None, env, started=False)
+    assert on.path == str(tmp_path / "torch_xla-2.9.0_libtpu-0.0.21.1_v5litepod-1") and on.note.startswith("on: ")
+    newer = Environment(env.platform, env.tpu_signals, None, {"torch_xla": "2.10.0", "libtpu": "0.0.22"})
+    assert cache.plan("TPU", None, newer, started=False).path != on.path  # another version never reads it
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5litepod-8")
+    assert cache.plan("TPU", None, env, started=False).path != on.path  # nor another topology
+    assert cache.plan("TPU", str(tmp_path / "drive"), env, started=False).path.startswith(str(tmp_path / "drive"))
+    assert cache.plan("TPU", False, env, started=False).path is None
+    late = cache.plan("TPU", None, env, started=True)
+    assert late.path is None and "restart the kernel" in late.note
+    cpu = cache.plan("CPU", None, env, started=False)
+    assert cpu.path is None and "cannot read them back" in cpu.note
+
+
+def test_cpu_runtime_reports_why_the_cache_is_off(rt):
+    rows = dict(rt.rows())
+    assert rt.compile_cache is None and "off on XLA:CPU" in rows["compile cache"]
+    from tpukit import cache
+
+    assert str(cache.stats()) == "0 hit(s), 0 miss(es)"

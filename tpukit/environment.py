@@ -84,6 +84,11 @@ def _google_pci_devices() -> list[str]:
     return found
 
 
+def tpu_device_files() -> list[str]:
+    """The TPU device files of this machine (/dev/accel*, /dev/vfio/N); empty elsewhere."""
+    return _tpu_devices()
+
+
 def tpu_signals(environ: dict | None = None) -> tuple[str, ...]:
     """Evidence of an attached TPU that exists without starting the runtime."""
     env = os.environ if environ is None else environ

@@ -20,7 +20,7 @@ import threading
 from dataclasses import dataclass
 
 from ._version import __version__
-from . import _ipython, _xla, environment, graphs
+from . import _ipython, _xla, cache, environment, graphs
 from ._text import table_html, table_text
 from .errors import DeviceNotFoundError, TorchXlaMissingError, VersionMismatchError
 
@@ -38,7 +38,7 @@ class Request:
     device: str = "auto"
     cpu_devices: int | None = None
     spmd: bool = False
-    compile_cache: str | None = None
+    compile_cache: str | bool | None = None
     trace_compiles: bool = True
 
 
@@ -60,6 +60,7 @@ class Runtime:
     problems: tuple[str, ...] = ()
     tpu_signals: tuple[str, ...] = ()
     bf16: bool = False
+    cache_note: str = ""
 
     def rows(self) -> list[tuple[str, str]]:
         """The report as (label, value) rows, shared by the text and HTML renderings."""
@@ -73,7 +74,8 @@ class Runtime:
             ("multi-core", self.scale_note()),
             ("bfloat16", "supported" if self.bf16 else "not native (runs, but emulated)"),
             ("versions", vers),
-            ("compile cache", self.compile_cache or "off"),
+            ("compile cache", (self.cache_note or self.compile_cache or "off")
+             + (f" ({cache.stats()} so far)" if self.compile_cache else "")),
             ("compile tracing", self.trace_file or "off (counts only, no causes)"),
         ]
 
@@ -300,19 +302,22 @@ def _unapplied(req: Request, rt: Runtime, only: tuple[str, ...] = ("device", "cp
     if "trace" in only and req.trace_compiles and not rt.trace_file:
         out.append("trace_compiles=True was requested but torch_xla was already running without compile "
                    f"tracing, so compile causes are unavailable (counts still work). {fix}")
-    if "cache" in only and req.compile_cache and rt.compile_cache != req.compile_cache and rt.device_type == "TPU":
+    if ("cache" in only and isinstance(req.compile_cache, str) and rt.device_type == "TPU"
+            and not (rt.compile_cache or "").startswith(req.compile_cache)):
         out.append(f"compile_cache={req.compile_cache!r} was requested but the runtime already started. {fix}")
     return out
 
 
 def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = False,
-          compile_cache: str | None = None, trace_compiles: bool = True) -> Runtime:
+          compile_cache: str | bool | None = None, trace_compiles: bool = True) -> Runtime:
     """Detect the platform, configure and start the XLA runtime, and return its report.
 
     device: 'auto' (PJRT_DEVICE if set, else TPU if one is attached, else CPU), 'tpu' or 'cpu'.
     cpu_devices: number of virtual XLA:CPU devices (try multi-core code on a laptop).
     spmd: turn on SPMD (one process drives all devices; see tpukit.mesh()).
-    compile_cache: directory for the persistent compilation cache (TPU only).
+    compile_cache: the persistent compilation cache (TPU only). By default it is on for a TPU, under
+      $TPUKIT_CACHE_DIR (else ~/.cache/tpukit/xla) in a folder keyed by the torch_xla and libtpu
+      versions and the topology; a directory puts it there; False turns it off.
     trace_compiles: record every compilation's cause and Python frames for tpukit.compiles.
 
     Idempotent: later calls return the same Runtime; if they ask for settings the
@@ -335,19 +340,11 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
         kind = resolve_device(req, env)
         trace, problems = configure(req, env)
 
-        cache = None
-        if compile_cache:
-            if kind != "TPU":
-                problems.append(
-                    "The persistent compile cache was not enabled: XLA:CPU writes cached executables but cannot "
-                    "read them back, so it would only cost time here. It works on TPU.")
-            elif started_before:
-                problems.append("The persistent compile cache must be set before the runtime starts; "
-                                "restart the kernel and call tpukit.setup(compile_cache=...) first.")
-            else:
-                os.makedirs(compile_cache, exist_ok=True)
-                _xla.initialize_cache(compile_cache)
-                cache = compile_cache
+        cache_plan = cache.plan(kind, compile_cache, env, started_before)
+        if cache_plan.path:
+            cache.enable(cache_plan.path)
+        elif isinstance(compile_cache, str) and compile_cache:  # asked for explicitly: say why not
+            problems.append(f"The persistent compile cache was not enabled: {cache_plan.note}.")
 
         _xla.torch_xla()  # import (raises a tpukit error on a broken install)
         if spmd and not _xla.is_spmd():
@@ -367,11 +364,12 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
             world_size=_xla.world_size(),
             spmd=_xla.is_spmd(),
             versions={**env.versions, "tpukit": __version__},
-            compile_cache=cache,
+            compile_cache=cache_plan.path,
             trace_file=trace,
             problems=(),
             tpu_signals=env.tpu_signals,
             bf16=kind == "TPU",
+            cache_note=cache_plan.note,
         )
         if started_before:
             problems.extend(_unapplied(req, rt, only=("device", "cpu_devices")))

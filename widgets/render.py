@@ -11,6 +11,7 @@ import base64
 import html
 from typing import Any
 
+from tpukit import cache
 from tpukit._text import plural, seconds, table_html
 
 from .model import View
@@ -40,7 +41,7 @@ def header_rows(runtime: Any) -> list[tuple[str, str]]:
     vers = " · ".join(f"{k} {v[k]}" for k in ("torch", "torch_xla", "tpukit") if v.get(k))
     return [("platform", runtime.platform),
             ("devices", f"{runtime.device_count} × {runtime.device_type}" + (" · SPMD" if runtime.spmd else "")),
-            ("versions", vers)]
+            ("versions", vers)] + ([("compile cache", f"{cache.stats()}")] if runtime.compile_cache else [])
 
 
 def header_html(runtime: Any, tracing: bool, title: str = "tpukit dashboard") -> str:
