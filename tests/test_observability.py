@@ -338,3 +338,17 @@ def test_events_registry_dispatch_reset_and_errors():
         events.call("on_nothing")
     events._reset()
     assert events.listeners() == []
+
+
+def test_eager_mode_per_op_compiles_are_counted():
+    """Eager mode compiles each new op by itself (torch_xla's EagerOp* metrics): counted like lazy compiles."""
+    out = run_python(
+        "import tpukit\nrt = tpukit.setup(device='cpu')\nimport torch\n"
+        "from torch_xla.experimental import eager_mode\n"
+        "before = tpukit.snapshot()\neager_mode(True)\n"
+        "x = torch.randn(4, 8, device=rt.device)\ny = torch.tanh(x @ x.T).sum()\n"
+        "eager_mode(False)\nd = tpukit.snapshot() - before\n"
+        "print('EAGER', d.compiles, d.compile_time > 0, d.executions)\n", env={"PJRT_DEVICE": "CPU"})
+    assert out.returncode == 0, out.stderr
+    compiled, timed, executed = out.stdout.split("EAGER ", 1)[1].split()
+    assert int(compiled) >= 3 and timed == "True" and int(executed) >= 3  # randn, mm, tanh, sum: one graph each
