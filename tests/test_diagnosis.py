@@ -607,3 +607,42 @@ def test_classifier_without_hlo_judges_by_the_batch_and_counts():
     assert f.kind == classify.RECOMPILATION and f.evidence == ("input_ids: (2, 8) -> (2, 16)",)
     # Same counts and the same batch: nothing says it is the same computation again.
     assert c.classify("p", None, b16, (17, 9)).kind == classify.NEW
+
+
+COMPILE_MODES = '''\
+import json, tpukit
+rt = tpukit.setup(device="cpu")
+import torch, torch_xla
+device = rt.device
+w = torch.randn(8, 8, device=device)
+step = torch_xla.compile(lambda x: torch.tanh(x @ w).sum())
+for n in (4, 4, 6):
+    y = step(torch.randn(n, 8, device=device))  # LINE compiled-fn
+torch_xla.sync()
+model = torch.compile(torch.nn.Linear(8, 8).to(device), backend="openxla")
+for n in (4, 4, 6):
+    y = model(torch.randn(n, 8, device=device))  # LINE dynamo
+torch_xla.sync()
+import time; time.sleep(2.5)  # let the last HLO files land
+from tpukit import compiles
+print("EVENTS " + json.dumps([[e.cut, e.kind, e.where, list(e.evidence)] for e in compiles.events_since(0)]))
+'''
+
+
+def test_torch_xla_compile_and_dynamo_compiles_name_the_users_line(tmp_path):
+    """torch_xla.compile(fn) and torch.compile(backend="openxla"): each compile at the user's call line,
+    classified by the same contract (a batch of 6 after 4 is a recompilation, not a new graph)."""
+    script = tmp_path / "modes.py"
+    script.write_text(COMPILE_MODES)
+    lines = {m: i + 1 for i, l in enumerate(COMPILE_MODES.splitlines()) for m in ("compiled-fn", "dynamo")
+             if l.endswith(f"# LINE {m}")}
+    proc = run_python(f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    events = json.loads(proc.stdout.split("EVENTS ", 1)[1])
+    fn = [e for e in events if e[0] == "torch_xla.compile"]
+    dyn = [e for e in events if e[0] == "dynamo"]
+    assert fn and all(e[2] == f"modes.py:{lines['compiled-fn']} in <module>" for e in fn), fn
+    assert dyn and all(e[2] == f"modes.py:{lines['dynamo']} in <module>" for e in dyn), dyn
+    assert [e[1] for e in fn] == ["new graph", "recompilation"], fn
+    assert [e[1] for e in dyn] == ["new graph", "recompilation"], dyn
+    assert all(any("f32[4,8] -> f32[6,8]" in ev for ev in e[3]) for e in fn + dyn if e[1] == "recompilation")
