@@ -74,7 +74,7 @@ test-e2e: $(STAMP)
 	@command -v chromium >/dev/null 2>&1 || { echo "tpukit: installing Debian's chromium"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 	@$(VPY) -c 'import playwright' 2>/dev/null || $(VPY) -m pip install --progress-bar off -q playwright
-	$(VPY) -m pytest tests/e2e -q -p no:cacheprovider
+	$(VPY) -m pytest tests/e2e/test_lab.py -q -p no:cacheprovider
 
 # The end-to-end test writes its screenshots to build/e2e/; this refreshes docs/images/ on purpose.
 screenshots:

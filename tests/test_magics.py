@@ -1,4 +1,5 @@
-"""The IPython extension (issue 5): %tpu, %%xla, %xla_metrics, %xla_ir/%xla_hlo, %xla_watch, %xla_dashboard.
+"""The IPython extension (issue 5): %tpu, %%xla, %xla_metrics, %xla_ir/%xla_hlo, %xla_watch, %xla_dashboard,
+and %%xla_profile / %xla_profile N (issue 17).
 
 Runs a real InteractiveShell on the real XLA:CPU runtime. Two fresh processes
 (started at module set-up, in parallel) cover what depends on when the extension
@@ -7,6 +8,7 @@ lines) and after (a one-line note, counts only).
 """
 
 import dataclasses
+import importlib.util
 import json
 import os
 import re
@@ -21,8 +23,8 @@ from tpukit import _magic_cells, compiles, events, magics
 
 EXT = "tpukit"
 HERE = os.path.dirname(os.path.abspath(__file__))
-LINE_MAGICS = {"tpu", "tpu_info", "xla_metrics", "xla_ir", "xla_hlo", "xla_watch", "xla_dashboard"}
-CELL_MAGICS = {"xla"}
+LINE_MAGICS = {"tpu", "tpu_info", "xla_metrics", "xla_ir", "xla_hlo", "xla_watch", "xla_dashboard", "xla_profile"}
+CELL_MAGICS = {"xla", "xla_profile"}
 EVENTS = ("pre_execute", "pre_run_cell", "post_execute", "post_run_cell")
 
 
@@ -160,6 +162,13 @@ BAD = [
     "%%xla --max-compiles -1\nran = True",
     "%%xla --max-compiles many\nran = True",
     "%%xla --bogus\nran = True",
+    "%xla_profile 0",
+    "%xla_profile -2",
+    "%xla_profile 3 --top 0",
+    "%xla_profile many",
+    "%%xla_profile 0\nran = True",
+    "%%xla_profile --cancel\nran = True",
+    "%%xla_profile --logdir /dev/null\nran = True",
 ]
 
 
@@ -181,9 +190,10 @@ def test_help_lists_the_arguments(ext, capsys):
     run(ext, "%xla_metrics?")
     run(ext, "%%xla?")
     run(ext, "%tpu_info?")
+    run(ext, "%%xla_profile?")
     out = capsys.readouterr().out
     for flag in ("--since-last", "--reset", "--json", "--max-compiles", "--hlo", "--explain", "--cpu-devices",
-                 "--no-trace"):
+                 "--no-trace", "--logdir", "--top", "--cancel", "%tensorboard --logdir"):
         assert flag in out
 
 
@@ -452,3 +462,69 @@ def test_xla_dashboard_opens_the_live_dashboard(ext, capsys):
         for lst in events.listeners():
             if lst not in before:
                 getattr(lst, "close", lambda: tpukit.remove_listener(lst))()
+
+
+# ----------------------------------------------------------------- %%xla_profile / %xla_profile N
+
+PROFILE_SETUP = """import tpukit
+pmodel = torch.nn.Sequential(torch.nn.Linear(20, 40), torch.nn.ReLU(), torch.nn.Linear(40, 3)).to(dev)
+popt = torch.optim.SGD(pmodel.parameters(), lr=0.1)
+def ptrain(n):
+    for x, y in tpukit.track([(torch.randn(8, 20), torch.randint(0, 3, (8,))) for _ in range(n)], progress=False):
+        torch.nn.functional.cross_entropy(pmodel(x), y).backward()
+        popt.step()
+        popt.zero_grad()
+    return n
+ptrain(2)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("xprof") is None, reason="XProf (tpukit[profile]) is not installed")
+def test_xla_profile_cell_traces_the_cell_and_shows_the_summary(ext, capsys, tmp_path):
+    assert run(ext, PROFILE_SETUP).error_in_exec is None
+    capsys.readouterr()
+    result = run(ext, f"%%xla_profile --logdir {tmp_path} --top 5\nptrain(4)")
+    assert result.error_in_exec is None and result.result == 4  # the cell's value, as in a plain cell
+    out = capsys.readouterr().out
+    assert "tpukit profile" in out and "4 steps of a tracked loop" in out, out
+    assert re.search(r"^  dot(\.\d+)? ", out, re.M), out  # the MLP's matmul among the top ops
+    assert f"%tensorboard --logdir {tmp_path.resolve()}" in out
+    assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))
+    assert events.listeners() == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("xprof") is None, reason="XProf (tpukit[profile]) is not installed")
+def test_xla_profile_n_traces_the_next_steps_and_shows_after_their_cell(ext, capsys, tmp_path):
+    assert run(ext, PROFILE_SETUP).error_in_exec is None
+    run(ext, f"%xla_profile 2 --logdir {tmp_path / 'n'}")
+    assert "the next 2 steps of a tracked loop" in capsys.readouterr().out
+    run(ext, "%xla_profile")
+    assert "armed, 2 steps" in capsys.readouterr().out
+    run(ext, "plain = 1")  # no loop: still waiting, nothing shown
+    assert capsys.readouterr().out == ""
+    assert run(ext, "ptrain(5)").error_in_exec is None
+    out = capsys.readouterr().out
+    assert "2 steps of a tracked loop" in out and "dot" in out, out
+    run(ext, "%xla_profile")
+    assert "no profile is armed" in capsys.readouterr().out
+    run(ext, f"%xla_profile 3 --logdir {tmp_path / 'c'}")
+    run(ext, "%xla_profile --cancel")
+    assert "cancelled" in capsys.readouterr().out and events.listeners() == []
+
+
+def test_unload_drops_an_armed_profile(shell, tmp_path):
+    before = _state(shell)
+    run(shell, f"%load_ext {EXT}")
+    run(shell, f"%xla_profile 4 --logdir {tmp_path}")
+    assert _state(shell)[0]["post_run_cell"] == before[0]["post_run_cell"] + 1 and len(events.listeners()) == 1
+    run(shell, f"%unload_ext {EXT}")
+    assert _state(shell) == before and events.listeners() == []
+
+
+def test_xla_profile_without_xprof_says_where_the_trace_is_and_how_to_read_it(ext, capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xprof", None)
+    result = run(ext, f"%%xla_profile --logdir {tmp_path}\nz = (torch.ones(4, 4, device=dev) * 3).sum()")
+    assert result.error_in_exec is None
+    out = capsys.readouterr().out
+    assert "%%xla_profile: no summary" in out and "tpukit[profile]" in out and str(tmp_path.resolve()) in out, out
+    assert list(tmp_path.glob("plugins/profile/*/*.xplane.pb"))  # the trace is written all the same

@@ -25,6 +25,7 @@ from .guards import expect_compiles, no_recompile_after
 from .launch import launch
 from .magics import load_ipython_extension, unload_ipython_extension
 from .metrics import Delta, Snapshot, snapshot
+from .profile import Profile, ProfileSummary, profile
 from .runtime import Runtime, rank, setup
 from .spmd import device_loader, fsdp, mesh, shard_batch, sharding_spec
 from .steps import StepRecord, log, on_step
@@ -62,6 +63,9 @@ __all__ = [
     "device_loader",
     "fsdp",
     "launch",
+    "profile",
+    "Profile",
+    "ProfileSummary",
     "rank",
     "ShardingError",
     "load_ipython_extension",

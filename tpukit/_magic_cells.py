@@ -1,5 +1,5 @@
-"""The bodies of the magics that run or watch notebook cells: ``%%xla``, ``%xla_ir`` /
-``%xla_hlo`` and ``%xla_watch``.
+"""The bodies of the magics that run or watch notebook cells: ``%%xla``, ``%%xla_profile``,
+``%xla_ir`` / ``%xla_hlo`` and ``%xla_watch``.
 
 Their argument parsing lives in ``tpukit.magics``; ``%tpu``, ``%xla_metrics``,
 ``%xla_dashboard`` and the shared helpers (usage errors, snapshots) in
@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 from . import _ipython, _xla, compiles, metrics
-from ._magic_reports import snapshot_now, usage
+from ._magic_reports import new_profile, show_profile, snapshot_now, usage
 from ._text import plural
 from .errors import RecompilationError
 
@@ -64,9 +64,9 @@ def _cell_number(shell: Any) -> int:
     return int(number) if number is not None else int(shell.execution_count)
 
 
-def _compile_cell(shell: Any, line: str, cell: str, number: int) -> tuple[Any, Any, str]:
-    """Compile the cell body so frames say 'cell [N] line L' with L counted from the %%xla line."""
-    shown = "%%xla" + (f" {line.strip()}" if line.strip() else "") + "\n" + cell
+def _compile_cell(shell: Any, line: str, cell: str, number: int, magic: str = "%%xla") -> tuple[Any, Any, str]:
+    """Compile the cell body so frames say 'cell [N] line L' with L counted from the magic's line."""
+    shown = magic + (f" {line.strip()}" if line.strip() else "") + "\n" + cell
     name = _cache_cell(shell, shown, number)
     tree = shell.compile.ast_parse(shell.transform_cell(cell), filename=name)
     tree = shell.transform_ast(tree)
@@ -229,6 +229,25 @@ def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
         raise RecompilationError(message)
     if not args.quiet:
         print("\n".join([f"%%xla: {delta}"] + lines + ([explain] if explain else [])))
+    return value
+
+
+# ----------------------------------------------------------------- %%xla_profile
+
+def xla_profile(shell: Any, args: Any, line: str, cell: str) -> Any:
+    """``%%xla_profile``: run the cell (and sync it) inside a profile, show the summary; the value
+    of a last expression."""
+    __tracebackhide__ = True
+    if args.cancel:
+        raise usage("%%xla_profile takes no --cancel (that is for the line magic %xla_profile N).")
+    prof = new_profile(args, "%%xla_profile")
+    code, last, _name = _compile_cell(shell, line, cell, _cell_number(shell), magic="%%xla_profile")
+    with prof:
+        exec(code, shell.user_global_ns, shell.user_ns)
+        value = eval(last, shell.user_global_ns, shell.user_ns) if last is not None else None
+        if _xla.runtime_initialized():
+            _xla.sync(wait=True)  # what the cell left pending runs inside the profile
+    show_profile(prof, args.top, "%%xla_profile")
     return value
 
 

@@ -1,4 +1,5 @@
-"""What ``%tpu``, ``%xla_metrics`` and ``%xla_dashboard`` show, and the helpers every magic shares.
+"""What ``%tpu``, ``%xla_metrics``, ``%xla_dashboard`` and ``%xla_profile`` show, and the helpers
+every magic shares.
 
 The magics' argument parsing lives in ``tpukit.magics``; the bodies of the
 cell-running magics (``%%xla``, ``%xla_ir``, ``%xla_hlo``, ``%xla_watch``) in
@@ -14,6 +15,8 @@ import time
 from typing import Any
 
 from . import _xla, events, metrics, runtime
+from .errors import TpukitError
+from .profile import Profile
 from ._text import table_html, table_text
 
 
@@ -89,3 +92,69 @@ def xla_dashboard() -> None:
     from IPython.display import display
 
     display(events.open_dashboard())
+
+
+# ----------------------------------------------------------------- %xla_profile
+
+def new_profile(args: Any, magic: str) -> Profile:
+    """The profile ``%xla_profile`` / ``%%xla_profile`` asked for (bad arguments: a usage error)."""
+    if args.steps is not None and args.steps < 1:
+        raise usage(f"{magic} N needs a positive number of tracked-loop steps, not {args.steps}.")
+    if args.top < 1:
+        raise usage(f"{magic} --top needs a positive number of ops to list, not {args.top}.")
+    try:
+        return Profile(logdir=args.logdir, steps=args.steps)
+    except (TpukitError, ValueError) as exc:
+        raise usage(f"{magic}: {exc}") from None
+
+
+def show_profile(prof: Profile, top: int, magic: str) -> None:
+    """Display a finished profile's summary (or where its trace is and why there is no summary)."""
+    try:
+        summary = prof.summary(top=top)
+    except TpukitError as exc:
+        print(f"{magic}: no summary ({exc}) Trace directory: {prof.logdir}")
+        return
+    show(summary.text(), summary._repr_html_())
+
+
+class ArmedProfile:
+    """``%xla_profile N``: a profile waiting for (or tracing) a tracked loop; its summary shows
+    after the cell where it ended (the extension keeps this object to remove its callback)."""
+
+    def __init__(self, ext: Any, prof: Profile, top: int):
+        self.ext, self.prof, self.top = ext, prof, top
+
+    def post(self, result: Any = None) -> None:
+        if self.prof.done:
+            self.ext.disarm_profile()
+            show_profile(self.prof, self.top, "%xla_profile")
+
+
+def xla_profile(ext: Any, args: Any) -> None:
+    """``%xla_profile N``: arm a profile of the next N tracked steps; ``--cancel``; or the status."""
+    armed = ext.armed if ext is not None else None
+    if args.cancel:
+        if armed is None:
+            print("%xla_profile: no profile is armed.")
+            return
+        tracing = armed.prof.state == "tracing"
+        ext.disarm_profile()
+        print(f"%xla_profile: cancelled{' (it was tracing: what it traced is below)' if tracing else ''}.")
+        if tracing:
+            show_profile(armed.prof, armed.top, "%xla_profile")
+        return
+    if args.steps is None:
+        if armed is None:
+            print("%xla_profile: no profile is armed. %xla_profile N traces the next N steps of a tracked "
+                  "loop; %%xla_profile traces a whole cell.")
+        else:
+            print(f"%xla_profile: {armed.prof.state}, {armed.prof.steps} steps of the next tracked loop "
+                  f"({len(armed.prof.records)} so far), trace to {armed.prof.logdir}.")
+        return
+    prof = new_profile(args, "%xla_profile")
+    if ext is None:
+        raise usage("%xla_profile N needs the extension loaded: %load_ext tpukit.")
+    ext.arm_profile(ArmedProfile(ext, prof.start(), args.top))
+    print(f"%xla_profile: the next {args.steps} steps of a tracked loop (tpukit.track) will be traced "
+          f"to {prof.logdir}; the summary shows after the cell where they run.")

@@ -395,3 +395,28 @@ def has_pending(tensors: Sequence[Any]) -> list[bool]:
     if not tensors:
         return []
     return [bool(x) for x in torch_xla()._XLAC._check_tensor_need_materialization(tensors)]
+
+
+# --------------------------------------------------------------------------- profiler (tpukit.profile)
+
+def profiler_start(logdir: str) -> None:
+    """Start torch_xla's in-process profiler session (``xp.start_trace``): host and device
+    activity from now until :func:`profiler_stop`, which writes it under ``logdir``.
+
+    Unlike ``xp.trace_detached`` (a profiler server asked for a fixed duration), the
+    session covers exactly the region between the two calls.
+    """
+    from .errors import RuntimeStateError
+
+    try:
+        _module("torch_xla.debug.profiler").start_trace(str(logdir))
+    except RuntimeError as exc:  # "Profile has already been started"
+        raise RuntimeStateError(
+            f"a torch_xla profiler trace is already running ({exc}); only one can run at a time. "
+            "Let the other profile finish (leave its `with` block) before starting this one.") from None
+
+
+def profiler_stop() -> None:
+    """Stop the session :func:`profiler_start` began and write
+    ``<logdir>/plugins/profile/<run>/<host>.xplane.pb`` (XProf/TensorBoard's layout)."""
+    _module("torch_xla.debug.profiler").stop_trace()

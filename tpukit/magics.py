@@ -13,6 +13,10 @@
 - ``%xla_watch on|off``: after each cell, one line when it compiled or fell back to the
   CPU (its first recompilation, with the evidence, when there is one), nothing otherwise.
 - ``%xla_dashboard``: the live compile/execute dashboard.
+- ``%%xla_profile [N] [--logdir DIR] [--top K]``: profile the cell with torch_xla's profiler
+  (only N steps of its tracked loop when N is given) and show the summary;
+  ``%xla_profile N``: the next N steps of a tracked loop in the cells that follow, the
+  summary shown after the cell where they ran (``%xla_profile --cancel`` drops it).
 
 Load the extension before torch_xla is imported and compile tracing is switched
 on (``runtime.configure``, without starting the runtime), so ``%%xla`` and
@@ -23,7 +27,8 @@ added, so ``%reload_ext tpukit`` is safe.
 This module is the extension itself: load/unload, the Magics class and its
 argument parsing. What the magics do lives beside it: ``_magic_cells`` for
 ``%%xla``, ``%xla_ir``/``%xla_hlo`` and ``%xla_watch``; ``_magic_reports`` for
-``%tpu``, ``%xla_metrics`` and ``%xla_dashboard``. None of them imports IPython
+``%tpu``, ``%xla_metrics``, ``%xla_dashboard`` and ``%xla_profile N``; ``%%xla_profile`` runs
+its cell in ``_magic_cells``. None of them imports IPython
 or torch_xla at import time: the magics class is built when the extension
 loads, and torch_xla is only touched through ``_xla`` once the user's code
 imported it.
@@ -52,6 +57,19 @@ class _Extension:
         self.watch: _magic_cells.Watch | None = None
         self.metrics_mark = _magic_reports.snapshot_now()
         self.metrics_mark_label = "since %load_ext tpukit"
+        self.armed: _magic_reports.ArmedProfile | None = None  # %xla_profile N
+
+    def arm_profile(self, armed: _magic_reports.ArmedProfile) -> None:
+        self.disarm_profile()
+        self.armed = armed
+        self.add_callback("post_run_cell", armed.post)
+
+    def disarm_profile(self) -> None:
+        """Stop the armed profile (writing what it traced) and remove its callback."""
+        if self.armed is not None:
+            armed, self.armed = self.armed, None
+            self.remove_callback("post_run_cell", armed.post)
+            armed.prof.stop()
 
     def add_callback(self, event: str, fn: Any) -> None:
         self.shell.events.register(event, fn)
@@ -80,6 +98,7 @@ class _Extension:
     def close(self) -> None:
         """Remove every callback and magic this load added (and nothing else)."""
         self.stop_watch()
+        self.disarm_profile()
         for event, fn in list(self.callbacks):
             self.remove_callback(event, fn)
         mm = self.shell.magics_manager
@@ -138,7 +157,7 @@ def _prepare_tracing() -> str | None:
 @functools.lru_cache(maxsize=None)
 def _magics_class() -> type:
     """Build the Magics subclass (IPython is imported only when the extension loads)."""
-    from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+    from IPython.core.magic import Magics, cell_magic, line_cell_magic, line_magic, magics_class
     from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
     @magics_class
@@ -243,5 +262,33 @@ def _magics_class() -> type:
             """Open the live compile/execute dashboard (tpukit.dashboard())."""
             parse_argstring(self.xla_dashboard, line)
             _magic_reports.xla_dashboard()
+
+        @magic_arguments()
+        @argument("steps", nargs="?", type=int, default=None, metavar="N",
+                  help="Profile only N steps of a tracked loop (tpukit.track): as a line magic, the next "
+                       "loop to run (in a later cell); in a cell, the loop in the cell.")
+        @argument("--logdir", metavar="DIR", default=None,
+                  help="Directory for the trace (default ./tpukit-profiles/<date>-<time>, created when "
+                       "missing). Open it with %%load_ext tensorboard and %%tensorboard --logdir DIR.")
+        @argument("--top", type=int, metavar="K", default=10, help="How many device ops the summary lists.")
+        @argument("--cancel", action="store_true",
+                  help="Line magic: drop the profile %%xla_profile N armed (one already tracing is stopped "
+                       "and shown).")
+        @line_cell_magic
+        def xla_profile(self, line: str = "", cell: str | None = None) -> Any:
+            """Profile with torch_xla's profiler and show the summary: the top device ops by time,
+            device busy vs idle between executions, host time, and the bottleneck verdict.
+
+            As a cell magic (%%xla_profile) the whole cell is traced, then synced, or only N
+            steps of its tracked loop. As a line magic (%xla_profile N) the next N steps of
+            a tracked loop are traced, in whatever cell it runs; the summary shows after
+            that cell. The trace opens in TensorBoard's Profile tab (%tensorboard --logdir).
+            Without N or --cancel, the line magic says whether a profile is armed.
+            """
+            __tracebackhide__ = True
+            args = parse_argstring(self.xla_profile, line)
+            if cell is None:
+                return _magic_reports.xla_profile(_EXT, args)
+            return _magic_cells.xla_profile(self.shell, args, line, cell)
 
     return TpukitMagics

@@ -74,5 +74,22 @@ def show(obj: Any) -> Slot | None:
     except ImportError:  # pragma: no cover
         print(obj)
         return None
-    handle = show_(obj, display_id=True)  # None (and printed) without a running shell
+    if _is_ipywidgets7_widget(obj):
+        # ipywidgets 7 (Colab's) displays a widget by sending its view itself, without the
+        # display id, so a later update would target no output: send the same view ourselves.
+        data = {"text/plain": repr(obj), "application/vnd.jupyter.widget-view+json":
+                {"version_major": 2, "version_minor": 0, "model_id": obj.model_id}}
+        handle = show_(data, raw=True, display_id=True)
+    else:
+        handle = show_(obj, display_id=True)  # None (and printed) without a running shell
     return Slot(handle, current_cell()) if handle is not None else None
+
+
+def _is_ipywidgets7_widget(obj: Any) -> bool:
+    """True for a widget of ipywidgets 7 (its own display path drops the display id)."""
+    import sys
+
+    ipw = sys.modules.get("ipywidgets")
+    if ipw is None or not str(getattr(ipw, "__version__", "8")).startswith("7."):
+        return False
+    return isinstance(obj, ipw.Widget) and getattr(obj, "model_id", None) is not None
