@@ -646,3 +646,17 @@ def test_torch_xla_compile_and_dynamo_compiles_name_the_users_line(tmp_path):
     assert [e[1] for e in fn] == ["new graph", "recompilation"], fn
     assert [e[1] for e in dyn] == ["new graph", "recompilation"], dyn
     assert all(any("f32[4,8] -> f32[6,8]" in ev for ev in e[3]) for e in fn + dyn if e[1] == "recompilation")
+
+
+def test_parse_hlo_reads_an_spmd_module_header():
+    """SPMD modules go on after the layout (allow_spmd_sharding_propagation_to_output, num_partitions)."""
+    text = ("HloModule SyncTensorsGraph.9, entry_computation_layout={(f32[8,4]{1,0}, f32[])->(f32[8,4]{1,0})}, "
+            "allow_spmd_sharding_propagation_to_output={true}, num_partitions=4\n\n"
+            "ENTRY %SyncTensorsGraph.9 (p0.1: f32[8,4], p1.2: f32[]) -> (f32[8,4]) {\n"
+            "  %p0.1 = f32[8,4]{1,0} parameter(0), sharding={devices=[4,1]0,1,2,3}\n"
+            "  %p1.2 = f32[] parameter(1)\n"
+            "  %broadcast.3 = f32[8,4]{1,0} broadcast(%p1.2), dimensions={}\n"
+            "  %multiply.4 = f32[8,4]{1,0} multiply(%p0.1, %broadcast.3)\n"
+            "  ROOT %tuple.5 = (f32[8,4]{1,0}) tuple(%multiply.4)\n}\n")
+    g = graphs.parse_hlo(text)
+    assert g.name == "SyncTensorsGraph.9" and g.inputs == ("f32[8,4]", "f32[]") and g.outputs == ("f32[8,4]",)

@@ -430,6 +430,22 @@ def events_since(index: int) -> list[CompileEvent]:
     return [e for e in lg.events if e.index >= index]
 
 
+def current(events: tuple[CompileEvent, ...], wait: float = 0.0) -> tuple[CompileEvent, ...]:
+    """The latest version of each event (classified since it was first read), waiting up to
+    ``wait`` seconds for ended compiles whose classification is still pending."""
+    if not events:
+        return events
+    lg = log()
+    deadline = time.time() + wait
+    while True:
+        lg.poll()
+        latest = lg.events
+        out = tuple(latest[e.index] if e.index < len(latest) else e for e in events)
+        if not any(e.kind == PENDING and e.end is not None for e in out) or time.time() >= deadline:
+            return out
+        time.sleep(0.05)
+
+
 def event_count() -> int:
     """Number of compile events read so far (after polling); use with ``events_since``."""
     lg = log()

@@ -84,6 +84,23 @@ def _shapes(text: str) -> tuple[str, ...]:
     return tuple(s for s in _split_top(text) if s)
 
 
+def _entry_layout(header: str) -> str | None:
+    """The ``(inputs)->outputs`` text of ``entry_computation_layout={...}``, braces matched
+    (SPMD modules go on with ``, allow_spmd_sharding_propagation_to_output=..., num_partitions=N``)."""
+    key = "entry_computation_layout={"
+    start = header.find(key)
+    if start < 0:
+        return None
+    i = start + len(key)
+    depth = 1
+    for j in range(i, len(header)):
+        depth += header[j] == "{"
+        depth -= header[j] == "}"
+        if depth == 0:
+            return header[i:j]
+    return None
+
+
 def _shape_and_op(rest: str) -> tuple[str, str, str]:
     """``'f32[8,16]{1,0} add(%a, %b), x=1'`` -> (shape, opcode, args-and-attributes)."""
     if rest.startswith("("):
@@ -108,7 +125,8 @@ def parse_hlo(text: str, module: int = -1) -> Graph:
     name = lines[0].split()[1].rstrip(",") if lines and lines[0].startswith("HloModule") else "?"
     inputs: tuple[str, ...] = ()
     outputs: tuple[str, ...] = ()
-    m = re.search(r"entry_computation_layout=\{\((.*)\)->(.*)\}\s*$", lines[0]) if lines else None
+    layout = _entry_layout(lines[0]) if lines else None
+    m = re.match(r"^\((.*)\)->(.*)$", layout) if layout else None
     if m:
         inputs, outputs = _shapes(m.group(1)), _shapes(m.group(2))
     ops: list[str] = []
@@ -176,6 +194,11 @@ def diff(old: Graph, new: Graph) -> list[str]:
             parts.append(added)
         return parts or ["the same size but other operations"]
     if len(new.inputs) != len(old.inputs):
+        if len(new.inputs) < len(old.inputs):
+            came = [c for c in Counter(new.constants) - Counter(old.constants) if c.value in ("0", "1")]
+            what = f"the constant {came[0].value} in {came[0].used_by}" if came else "a baked-in scalar"
+            return [f"an input became {what} ({len(old.inputs)} -> {len(new.inputs)} inputs): torch_xla bakes "
+                    "0 and 1 into the graph, so a value that moves to 0 or 1 compiles once more"]
         gone = [c for c in Counter(old.constants) - Counter(new.constants) if c.value in ("0", "1")]
         what = f"the constant {gone[0].value} in {gone[0].used_by}" if gone else "a baked-in scalar"
         return [f"{what} became an input ({len(old.inputs)} -> {len(new.inputs)} inputs): torch_xla bakes "

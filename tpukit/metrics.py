@@ -145,11 +145,14 @@ def compile_samples() -> list[tuple[float, float]]:
 
 
 def execute_samples() -> list[tuple[float, float]]:
-    """``[(end_unix_time, seconds), ...]`` of recent executions, dispatch to completion (they overlap)."""
-    data = _xla.metric_data("ExecuteTime")
-    if not data:
-        return []
-    return [(float(t), float(v) * NS) for t, v in data[2]]
+    """``[(end_unix_time, seconds), ...]`` of recent executions, dispatch to completion (they overlap);
+    SPMD executions are recorded as replicated ones, eager mode's per op."""
+    out = []
+    for name in ("ExecuteTime", "ExecuteReplicatedTime", "EagerOpExecuteTime"):
+        data = _xla.metric_data(name)
+        if data:
+            out += [(float(t), float(v) * NS) for t, v in data[2]]
+    return out
 
 
 def table(d: Snapshot | Delta, full: bool = False) -> list[tuple[str, str]]:

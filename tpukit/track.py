@@ -124,7 +124,7 @@ class Tracker:
                 yield batch
                 t2 = clk()
                 if held is not None:
-                    self._record(*held, bar)
+                    self._record(*held, bar, wait=2.5)
                     held = None
                 t3 = clk()
                 _xla.sync()
@@ -136,7 +136,7 @@ class Tracker:
                 _xla.wait_device_ops()  # the loop is done when the device is
                 self.tail_wait = clk() - a
                 self.tail_device = clock.drain()
-                self._record(*held, bar)
+                self._record(*held, bar, wait=3.0)
             completed = True
         finally:
             steps.loop_ended()
@@ -149,9 +149,11 @@ class Tracker:
             if completed and self.dashboard is not None:
                 self.dashboard.report()
 
-    def _record(self, rec: StepRecord, values: list, bar: Any) -> None:
+    def _record(self, rec: StepRecord, values: list, bar: Any, wait: float = 0.0) -> None:
         if values:
             rec = dataclasses.replace(rec, scalars=steps.read_values(values))
+        if rec.compile_events:  # classified since the step was ticked (their HLO arrives after the sync)
+            rec = dataclasses.replace(rec, compile_events=compiles.current(rec.compile_events, wait))
         self.history.append(rec)
         events.call("on_step", rec)
         if bar is not None:
