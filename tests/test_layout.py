@@ -31,7 +31,7 @@ SOURCES = {"tpukit": ROOT / "tpukit", "tpukit.widgets": ROOT / "widgets"}  # imp
 MAX_LINES = 450
 
 LAYERS = {
-    "errors": 0, "_version": 0, "graphs": 0, "cache": 0, "_xla": 0, "_tree": 0, "_text": 0, "_ipython": 0, "environment": 0,
+    "errors": 0, "_version": 0, "graphs": 0, "cache": 0, "frames": 0, "_xla": 0, "_tree": 0, "_text": 0, "_ipython": 0, "environment": 0,
     "runtime": 1, "metrics": 1, "events": 1, "classify": 1,
     "compiles": 2,
     "steps": 3,

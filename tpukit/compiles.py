@@ -14,62 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
-import sysconfig
 import threading
 import time
 from dataclasses import dataclass
 
 from . import _ipython, _xla, classify, events, graphs, metrics, runtime
+from .frames import Frame, parse_block
 from .graphs import Graph
 
 PENDING = "compile"  # kind of an event not classified yet (still compiling)
 _LABELS = {classify.NEW: "new graph", classify.EXPECTED: "expected compile",
            classify.RECOMPILATION: "recompilation", PENDING: "compile"}
 FORCED_CAUSE = "access tensor value"
-_FRAME_RE = re.compile(r"^\s*(?P<func>.+?) \((?P<file>.*):(?P<line>\d+)\)\s*$")
-# Installed packages (torch, torch_xla, IPython, decorator, ...) and tpukit itself
-# are machinery; the user's code is everything else.
-_HIDDEN_PARTS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep,
-                 os.sep + "torch" + os.sep, os.sep + "torch_xla" + os.sep, os.sep + "IPython" + os.sep,
-                 os.sep + "ipykernel" + os.sep)
-_MACHINERY_PARTS = _HIDDEN_PARTS[2:]
-_SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LIB_ROOTS = (os.path.join(_SRC, "tpukit") + os.sep, os.path.join(_SRC, "widgets") + os.sep,
-              sysconfig.get_paths()["stdlib"] + os.sep)  # contextlib, threading, ...
-
-
-@dataclass(frozen=True)
-class Frame:
-    """One Python frame of the stack that triggered a compilation."""
-
-    function: str
-    filename: str
-    line: int
-    cell: str | None = None  # "[7]" when the file is a notebook cell
-
-    @property
-    def is_library(self) -> bool:
-        """True for frames inside torch, torch_xla, tpukit or IPython's machinery."""
-        if self.cell:
-            return False
-        f = self.filename
-        if f.startswith("<") and "ipython-input" not in f:
-            return True
-        return any(p in f for p in _HIDDEN_PARTS) or f.startswith(_LIB_ROOTS)
-
-    @property
-    def is_machinery(self) -> bool:
-        """True for frames inside torch, torch_xla, tpukit or IPython (never worth showing)."""
-        f = self.filename
-        return not self.cell and (any(p in f for p in _MACHINERY_PARTS) or f.startswith(_LIB_ROOTS))
-
-    def __str__(self) -> str:
-        if self.cell:
-            return f"cell {self.cell} line {self.line}"
-        return f"{os.path.basename(self.filename)}:{self.line} in {self.function}"
-
-
 @dataclass(frozen=True)
 class CompileEvent:
     """One graph compilation: when, why, which graph, and the code that triggered it."""
@@ -172,39 +128,6 @@ def _with_cell(frame: Frame) -> Frame:
     return dataclasses.replace(frame, cell=label) if label else frame
 
 
-# ----------------------------------------------------------------- parsing
-
-def parse_block(lines: list[str]) -> dict:
-    """Fields of one "Compilation Analysis" block (lines without the prefix)."""
-    out: dict = {"cause": "", "graph_hash": "", "inputs": 0, "outputs": 0, "frames": []}
-    section = None
-    for raw in lines:
-        line = raw.rstrip("\n")
-        s = line.strip()
-        if s == "Compilation Cause":
-            section = "cause"
-        elif s.startswith("Graph Info"):
-            section = "graph"
-        elif s.startswith("Python Frame Triggered Execution"):
-            section = "frames"
-        elif s.startswith("---") or s.startswith("==="):
-            section = None
-        elif section == "cause" and s:
-            out["cause"] = (out["cause"] + " " + s).strip()
-        elif section == "graph":
-            if s.startswith("Graph Hash:"):
-                out["graph_hash"] = s.split(":", 1)[1].strip()
-            elif s.startswith("Number of Graph Inputs:"):
-                out["inputs"] = int(s.split(":", 1)[1])
-            elif s.startswith("Number of Graph Outputs:"):
-                out["outputs"] = int(s.split(":", 1)[1])
-        elif section == "frames" and s:
-            m = _FRAME_RE.match(line)
-            if m:
-                out["frames"].append(Frame(m["func"], m["file"], int(m["line"])))
-    return out
-
-
 class CompileLog:
     """Incremental reader of one compile-trace file; thread-safe and cheap to poll."""
 
@@ -253,7 +176,6 @@ class CompileLog:
             return changed
         if size < self._offset:  # file truncated / replaced: start over
             self._offset, self._partial, self._block = 0, "", None
-        first_new = len(self._events)
         if size > self._offset:
             with open(self.path, "r", errors="replace") as f:
                 f.seek(self._offset)
@@ -354,8 +276,7 @@ class CompileLog:
 
     def _classify_ended(self, now: float, changed: list[CompileEvent]) -> None:
         """Classify events whose compilation ended (with their graph once XLA dumped it)."""
-        if not any(e.kind == PENDING and e.end is not None for e in self._events[-8:]) and \
-                not any(e.kind == PENDING and e.end is not None for e in changed):
+        if not any(e.kind == PENDING and e.end is not None for e in self._events[-8:] + changed):
             return
         self._match_graphs()
         for i, ev in enumerate(self._events):
