@@ -199,7 +199,7 @@ class CompileLog:
         return changed
 
     def _pending_ends(self) -> bool:
-        return any(e.end is None for e in self._events[-4:])
+        return any(e.end is None for e in self._events)
 
     def _end_by_count(self, now: float, changed: list[CompileEvent]) -> None:
         """End events the runtime counts as compiled even though no "Post Compilation" block
@@ -276,7 +276,7 @@ class CompileLog:
 
     def _classify_ended(self, now: float, changed: list[CompileEvent]) -> None:
         """Classify events whose compilation ended (with their graph once XLA dumped it)."""
-        if not any(e.kind == PENDING and e.end is not None for e in self._events[-8:] + changed):
+        if not any(e.kind == PENDING and e.end is not None for e in self._events):
             return
         self._match_graphs()
         for i, ev in enumerate(self._events):
