@@ -8,6 +8,25 @@ torch_xla or transformers are imported, so compile tracing is on), trains, and
 writes its measurements as JSON to FILE.
 
 Not a test helper: nothing here is imported by tests.
+
+The BERT recipe at the compile floor (:func:`bert_mask`, :func:`bert_inputs`):
+transformers 5.x BERT turns the 2-D 0/1 ``attention_mask`` into the attention
+bias in ``masking_utils.create_bidirectional_mask``. For ``sdpa`` *and* for
+``eager`` attention that goes through ``sdpa_mask`` with
+``allow_is_bidirectional_skip=True``, whose ``_ignore_bidirectional_mask_sdpa``
+evaluates ``padding_mask.all()`` in Python (to drop the mask when nothing is
+padded). On an XLA tensor that is a device-to-host read in the middle of the
+forward: torch_xla compiles and runs a small graph for it (once per input
+shape) and the host waits for it on every step. The attention implementation
+alone does not avoid it (``eager_mask`` calls ``sdpa_mask`` with the same
+skip). What does: passing a ready 4-D mask, which
+``_preprocess_mask_arguments`` returns as-is ("If the mask is already 4D,
+simply return as-is"), so no value is read and the mask is three elementwise
+ops inside the step graph. The additive form (0 where attended, the dtype's
+minimum on padding, shape ``(batch, 1, 1, length)``) is what both ``eager``
+(``attn_weights + attention_mask``) and ``sdpa`` (float ``attn_mask``) expect;
+the logits are identical to the 2-D mask's (checked on CPU, both
+implementations).
 """
 
 from __future__ import annotations
@@ -60,6 +79,21 @@ def run_child(script: str, way: str, extra_env: dict | None = None, timeout: flo
     result["process_s"] = wall
     result["warnings"] = _interesting_lines(proc.stderr)
     return result
+
+
+def load_raw() -> dict | None:
+    """With BENCH_RAW=path naming an existing file: the children's results saved there by an
+    earlier run (to redo the report without rerunning the ways); else None."""
+    path = os.environ.get("BENCH_RAW")
+    return json.loads(Path(path).read_text()) if path and Path(path).exists() else None
+
+
+def keep_raw(results: dict) -> dict:
+    """The children's results, saved to BENCH_RAW=path first when it is set."""
+    path = os.environ.get("BENCH_RAW")
+    if path:
+        Path(path).write_text(json.dumps(results))
+    return results
 
 
 def _interesting_lines(stderr: str) -> list[str]:
@@ -145,6 +179,32 @@ def token_ids(tok, texts: list[str], max_length: int = MAX_LENGTH) -> list[list[
     return tok(texts, truncation=True, max_length=max_length)["input_ids"]
 
 
+# ------------------------------------------------------------------ the BERT recipe
+
+def bert_mask(attention_mask, dtype=None):
+    """The 2-D 0/1 padding mask as the 4-D additive mask transformers uses as-is.
+
+    Shape ``(batch, 1, 1, length)``: 0 where a token is attended, the smallest
+    value of ``dtype`` (default float32; pass ``model.dtype`` for a model cast
+    to bf16) where it is padding. Lazy elementwise ops on the mask's device, so
+    on an XLA device they join the step graph; nothing is read back.
+    """
+    import torch
+
+    dtype = dtype or torch.float32
+    keep = attention_mask[:, None, None, :].to(dtype)
+    return (1.0 - keep) * torch.finfo(dtype).min
+
+
+def bert_inputs(batch: dict, dtype=None) -> dict:
+    """``batch`` with its 2-D ``attention_mask`` replaced by :func:`bert_mask`'s 4-D one:
+    ``model(**bert_inputs(batch))`` instead of ``model(**batch)``."""
+    out = dict(batch)
+    if out.get("attention_mask") is not None and out["attention_mask"].dim() == 2:
+        out["attention_mask"] = bert_mask(out["attention_mask"], dtype)
+    return out
+
+
 # ------------------------------------------------------------------ child side
 
 def start():
@@ -175,8 +235,14 @@ def make_model(device):
     return model.to(device) if device is not None else model
 
 
-def tpukit_train(model, batches, device, lr: float = LR) -> dict:
-    """The loop every tpukit way uses: track + forward/backward/AdamW + log. Returns measurements."""
+def tpukit_train(model, batches, device, lr: float = LR, recipe: bool = True, declare=None) -> dict:
+    """The loop every tpukit way uses: track + forward/backward/AdamW + log. Returns measurements.
+
+    ``batches`` may be a list or a live iterable (a BucketBatcher: then padding
+    happens inside the timed loop). ``recipe=True`` feeds the model the 4-D mask
+    (:func:`bert_inputs`); False passes the 2-D mask as transformers' examples do.
+    ``declare``: the lengths the loop declares to ``track(shapes=...)`` (a BucketBatcher declares its own).
+    """
     import torch
     import tpukit
     from tpukit import _xla
@@ -186,10 +252,10 @@ def tpukit_train(model, batches, device, lr: float = LR) -> dict:
     before = tpukit.snapshot()
     c0 = time.process_time()
     t0 = time.perf_counter()
-    tracker = tpukit.track(batches, device=device, progress=False)
+    tracker = tpukit.track(batches, device=device, progress=False, shapes=declare)
     for batch in tracker:
         shapes.append(tuple(batch["input_ids"].shape))
-        loss = model(**batch).loss
+        loss = model(**(bert_inputs(batch) if recipe else batch)).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -198,7 +264,44 @@ def tpukit_train(model, batches, device, lr: float = LR) -> dict:
     total = time.perf_counter() - t0
     cpu = time.process_time() - c0
     delta = tpukit.snapshot() - before
-    return {**summarize(tracker.history, shapes, total, delta), "cpu_s": cpu}
+    out = {**summarize(tracker.history, shapes, total, delta), "cpu_s": cpu, "mask": "4-D additive (recipe)"
+           if recipe else "2-D (transformers default)"}
+    try:
+        out["tracker_summary"] = {k: v for k, v in tracker.summary().items()
+                                  if isinstance(v, (int, float, str, type(None), dict))}
+    except Exception as exc:  # the summary is a report, not the measurement
+        out["tracker_summary"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def event_record(e, step: int | None = None, shape: str | None = None) -> dict:
+    """One compile event as JSON: kind, what cut the graph, where, and tpukit's own one-line text."""
+    rec = {"step": step, "shape": shape, "kind": getattr(e, "kind", None), "cut": getattr(e, "cut", None),
+           "forced": bool(getattr(e, "forced", False)), "where": getattr(e, "where", None),
+           "seconds": None if getattr(e, "duration", None) is None else round(e.duration, 2)}
+    try:
+        rec["describe"] = e.describe()
+    except Exception as exc:  # pragma: no cover - a report, never fatal
+        rec["describe"] = f"(describe failed: {type(exc).__name__}: {exc})"
+    # The innermost frame outside torch/torch_xla/tpukit: for a read inside transformers, its line there
+    # (the trace keeps it even when tpukit's `where` names the user's call).
+    frames = [f for f in getattr(e, "frames", ()) if not f.is_machinery]
+    rec["innermost_line"] = str(frames[0]) if frames else None
+    return rec
+
+
+def breakdown(events: list[dict]) -> dict:
+    """Counts of compile events by kind and by cut, and the forced reads' locations."""
+    by_kind: dict[str, int] = {}
+    by_cut: dict[str, int] = {}
+    for e in events:
+        by_kind[str(e["kind"])] = by_kind.get(str(e["kind"]), 0) + 1
+        by_cut[str(e["cut"])] = by_cut.get(str(e["cut"]), 0) + 1
+    forced = [e for e in events if e["cut"] == "forced read" or e["forced"]]
+    return {"by_kind": by_kind, "by_cut": by_cut, "forced_reads": len(forced),
+            "forced_read_where": sorted({e["where"] for e in forced}),
+            "forced_read_innermost_line": sorted({str(e.get("innermost_line")) for e in forced}),
+            "forced_read_text": sorted({e["describe"] for e in forced})[:3]}
 
 
 def summarize(history, shapes, total: float, delta) -> dict:
@@ -207,8 +310,10 @@ def summarize(history, shapes, total: float, delta) -> dict:
     per_shape: dict[str, int] = {}
     step_graphs: dict[str, int] = {}  # the training-step graphs, without mid-step value reads
     forced_where: dict[str, int] = {}
+    events = []
     for rec, shape in zip(history, shapes):
         key = "x".join(map(str, shape))
+        events += [event_record(e, rec.step, key) for e in rec.compile_events]
         per_shape[key] = per_shape.get(key, 0) + rec.compiles
         forced = [e for e in rec.compile_events if e.forced]
         step_graphs[key] = step_graphs.get(key, 0) + rec.compiles - len(forced)
@@ -240,4 +345,6 @@ def summarize(history, shapes, total: float, delta) -> dict:
         "mean_loss": statistics.mean(losses) if losses else None,
         "mean_loss_last_quarter": statistics.mean(losses[-max(1, len(losses) // 4):]) if losses else None,
         "fallbacks": delta.fallbacks,
+        "compile_events": events,
+        "compile_breakdown": breakdown(events),
     }
