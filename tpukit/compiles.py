@@ -147,6 +147,7 @@ class CompileLog:
         self._graph_of: dict[int, Graph] = {}
         self._next_graph = 0  # first graph of self.hlo.graphs not matched to an event yet
         self._ended_at: dict[int, float] = {}
+        self._unsettled: set[int] = set()  # indices of events not classified yet
 
     @property
     def enabled(self) -> bool:
@@ -198,18 +199,20 @@ class CompileLog:
             events.call("on_compile", ev)
         return changed
 
-    def _pending_ends(self) -> bool:
-        return any(e.end is None for e in self._events)
+    def _pending(self) -> list[CompileEvent]:
+        """Events not classified yet (running, or ended and waiting for their HLO), oldest first."""
+        return [self._events[i] for i in sorted(self._unsettled)]
 
     def _end_by_count(self, now: float, changed: list[CompileEvent]) -> None:
         """End events the runtime counts as compiled even though no "Post Compilation" block
         reached the file (under SPMD torch_xla writes that block to stderr instead)."""
-        if not self._pending_ends():
+        running = [e for e in self._pending() if e.end is None]
+        if not running:
             return
         done = _compile_count()
-        for i, e in enumerate(self._events):
-            if e.end is None and i < done:
-                self._events[i] = ev = dataclasses.replace(e, end=now)
+        for e in running:
+            if e.index < done:
+                self._events[e.index] = ev = dataclasses.replace(e, end=now)
                 changed.append(ev)
 
     def _feed(self, line: str, now: float, changed: list) -> None:
@@ -227,9 +230,9 @@ class CompileLog:
             # The post block is written when the compilation has finished.
             if not self._in_post:
                 self._in_post = True
-                for i, e in enumerate(self._events):
+                for e in self._pending():
                     if e.end is None:
-                        self._events[i] = ev = dataclasses.replace(e, end=now)
+                        self._events[e.index] = ev = dataclasses.replace(e, end=now)
                         changed.append(ev)
                         break
         else:
@@ -253,6 +256,7 @@ class CompileLog:
                           graph_hash=fields["graph_hash"], inputs=fields["inputs"],
                           outputs=fields["outputs"], frames=frames, analysis="\n".join(block).strip())
         self._events.append(ev)
+        self._unsettled.add(ev.index)
         self._event_inputs[ev.index] = self.inputs
         return ev
 
@@ -262,8 +266,8 @@ class CompileLog:
         if self.hlo.poll() and len(self.hlo.graphs) == 1:
             runtime.release_hlo_dump_flags()  # XLA read them at its first compile
         pool = self.hlo.graphs
-        for ev in self._events:
-            if ev.index in self._graph_of or ev.kind != PENDING:
+        for ev in self._pending():
+            if ev.index in self._graph_of:
                 continue
             for k in range(self._next_graph, len(pool)):
                 g = pool[k]
@@ -276,11 +280,12 @@ class CompileLog:
 
     def _classify_ended(self, now: float, changed: list[CompileEvent]) -> None:
         """Classify events whose compilation ended (with their graph once XLA dumped it)."""
-        if not any(e.kind == PENDING and e.end is not None for e in self._events):
+        if not any(e.end is not None for e in self._pending()):
             return
         self._match_graphs()
-        for i, ev in enumerate(self._events):
-            if ev.kind != PENDING or ev.end is None:
+        for ev in self._pending():
+            i = ev.index
+            if ev.end is None:
                 continue
             graph = self._graph_of.get(i)
             if graph is None and self.hlo.path and now - self._ended_at.setdefault(i, now) < 2.0:
@@ -293,6 +298,7 @@ class CompileLog:
             new = dataclasses.replace(ev, kind=found.kind, evidence=found.evidence, hint=hint, graph=graph,
                                       recompilation=found.kind == classify.RECOMPILATION)
             self._events[i] = new
+            self._unsettled.discard(i)
             for k, c in enumerate(changed):
                 if c.index == i:
                     changed[k] = new

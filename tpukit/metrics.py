@@ -107,22 +107,29 @@ def fallback_counters() -> dict:
     return {n: _counter(n) for n in _xla.counter_names() if n.startswith("aten::") and n != ITEM_COUNTER}
 
 
+_EXECUTE_METRICS = ("ExecuteTime", "ExecuteReplicatedTime", "EagerOpExecuteTime")  # lazy, SPMD, eager
+
+
 def snapshot(memory: bool = False) -> Snapshot:
     """Read the runtime's counters now; ``memory=True`` adds device memory where supported."""
+    return snapshot_and_executions(memory)[0]
+
+
+def snapshot_and_executions(memory: bool = False) -> tuple[Snapshot, list[tuple[float, float]]]:
+    """The snapshot and the recent execution samples (see :func:`execute_samples`) from one read
+    of the execution metrics: the step clock needs both every step."""
     c_n, c_t = _metric("CompileTime")
     ec_n, ec_t = _metric("EagerOpCompileTime")  # eager mode compiles each new op by itself
-    e_n, e_t = _metric("ExecuteTime")
-    ee_n, ee_t = _metric("EagerOpExecuteTime")
-    r_n, r_t = _metric("ExecuteReplicatedTime")  # SPMD executions
+    execs = [_xla.metric_data(name) for name in _EXECUTE_METRICS]
     h2d_n, h2d_t = _metric("TransferToDeviceTime")
     d2h_n, d2h_t = _metric("TransferFromDeviceTime")
-    return Snapshot(
+    snap = Snapshot(
         time=time.time(),
         compiles=_counter("UncachedCompile"),
         cached_compiles=_counter("CachedCompile"),
         compile_time=c_t + ec_t,
-        executions=e_n + r_n + ee_n,
-        execute_time=e_t + r_t + ee_t,
+        executions=sum(int(d[0]) for d in execs if d),
+        execute_time=sum(float(d[1]) for d in execs if d) * NS,
         to_device=h2d_n,
         to_device_time=h2d_t,
         to_host=d2h_n,
@@ -134,6 +141,11 @@ def snapshot(memory: bool = False) -> Snapshot:
         fallbacks=fallback_counters(),
         memory=_xla.memory_info() if memory else None,
     )
+    return snap, _samples(execs)
+
+
+def _samples(metric_datas: list) -> list[tuple[float, float]]:
+    return [(float(t), float(v) * NS) for d in metric_datas if d for t, v in d[2]]
 
 
 def compile_samples() -> list[tuple[float, float]]:
@@ -147,12 +159,7 @@ def compile_samples() -> list[tuple[float, float]]:
 def execute_samples() -> list[tuple[float, float]]:
     """``[(end_unix_time, seconds), ...]`` of recent executions, dispatch to completion (they overlap);
     SPMD executions are recorded as replicated ones, eager mode's per op."""
-    out = []
-    for name in ("ExecuteTime", "ExecuteReplicatedTime", "EagerOpExecuteTime"):
-        data = _xla.metric_data(name)
-        if data:
-            out += [(float(t), float(v) * NS) for t, v in data[2]]
-    return out
+    return _samples([_xla.metric_data(name) for name in _EXECUTE_METRICS])
 
 
 def table(d: Snapshot | Delta, full: bool = False) -> list[tuple[str, str]]:

@@ -90,7 +90,7 @@ class Clock:
         """The record of the step that ended at the sync just made (``times``: the measured
         ``input_time``, ``tracing_time``, ``wait_time`` of a tracked step; compile time is
         taken out of the tracing time here)."""
-        now_snap = metrics.snapshot()
+        now_snap, executed = metrics.snapshot_and_executions()
         d = now_snap - self.last
         if "tracing_time" in times:
             times["tracing_time"] = max(0.0, times["tracing_time"] - d.compile_time)
@@ -102,13 +102,15 @@ class Clock:
                          compile_time=d.compile_time, executions=d.executions, execute_time=d.execute_time,
                          to_host=d.to_host, item_reads=d.item_reads, scalars=scalars,
                          batch_size=batch_size, compile_events=events_, fallbacks=d.fallbacks,
-                         device_time=self.drain() if times else None, **times)
+                         device_time=self.drain(executed) if times else None, **times)
         self.last, self.last_time = now_snap, now_snap.time
         return rec
 
-    def drain(self) -> float:
-        """Device busy seconds that completed since the last drain (executions merged as intervals)."""
-        added, self.busy_until = busy_time(metrics.execute_samples(), self.busy_until)
+    def drain(self, samples: list[tuple[float, float]] | None = None) -> float:
+        """Device busy seconds that completed since the last drain (executions merged as intervals);
+        ``samples`` when the caller has just read them, else read now."""
+        found = metrics.execute_samples() if samples is None else samples
+        added, self.busy_until = busy_time(found, self.busy_until)
         return added
 
 

@@ -27,11 +27,9 @@ import json
 import os
 import re
 import secrets
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 from test_lab import (
@@ -43,6 +41,7 @@ from test_lab import (
     LOOP_LINE,
     _free_port,
     _notebook,
+    serve,
     _steps,
     _text,
 )
@@ -102,29 +101,10 @@ def classic(tmp_path):
     if not re.search(r"jupyter-js-widgets/extension\W+enabled", enabled.stdout + enabled.stderr):
         subprocess.run([jupyter, "nbextension", "enable", "--py", "widgetsnbextension", "--sys-prefix"],
                        env=env, check=True, capture_output=True)
-    proc = subprocess.Popen(
-        [jupyter, "notebook", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
-         f"--NotebookApp.token={token}", f"--notebook-dir={root}", "--NotebookApp.open_browser=False"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("Notebook did not start:\n" + (proc.stdout.read() if proc.stdout else ""))
-                time.sleep(0.5)
-        yield base, token
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with serve([jupyter, "notebook", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
+                f"--NotebookApp.token={token}", f"--notebook-dir={root}", "--NotebookApp.open_browser=False"],
+               env, port, token, "Notebook") as server:
+        yield server
 
 
 class _Errors:

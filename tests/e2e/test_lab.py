@@ -17,6 +17,7 @@ build/e2e/failure.png. Run with ``make test-e2e`` (installs Debian's chromium).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -92,12 +93,19 @@ def lab(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "NBVAL", "TPUKIT_DASHBOARD")}
     env.update(PJRT_DEVICE="CPU", JUPYTER_PLATFORM_DIRS="1")
     jupyter = Path(sys.executable).with_name("jupyter")
-    proc = subprocess.Popen(
-        [str(jupyter), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
-         f"--LabApp.user_settings_dir={settings}",
-         "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=False"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    with serve([str(jupyter), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
+                f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
+                f"--LabApp.user_settings_dir={settings}",
+                "--LabApp.expose_app_in_browser=True", "--ServerApp.disable_check_xsrf=False"],
+               env, port, token, "JupyterLab") as server:
+        yield server
+
+
+@contextlib.contextmanager
+def serve(argv: list[str], env: dict, port: int, token: str, name: str):
+    """Start a Jupyter server, wait until it answers, yield (base URL, token); stop it whatever happens."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 120
@@ -107,7 +115,7 @@ def lab(tmp_path):
                 break
             except OSError:
                 if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError("JupyterLab did not start:\n" + (proc.stdout.read() if proc.stdout else ""))
+                    raise RuntimeError(f"{name} did not start:\n" + (proc.stdout.read() if proc.stdout else ""))
                 time.sleep(0.5)
         yield base, token
     finally:
