@@ -148,3 +148,15 @@ def version_mismatch(vers: dict) -> str | None:
         f"(torch_xla must be built for the same torch release, or import fails with an undefined symbol). "
         f"Install the matching pair: pip install torch=={'.'.join(map(str, x))} torch_xla=={'.'.join(map(str, x))}"
     )
+
+
+def available_memory(meminfo: str = "/proc/meminfo") -> int | None:
+    """Bytes of host memory available to new allocations (Linux ``MemAvailable``), or None elsewhere."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -110,3 +110,11 @@ class Sink:
     def flush(self) -> None:
         """Flush the wrapped file."""
         self._f.flush()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        """Move the wrapped file's position (``skip_data`` saves seek past the holes they leave)."""
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        """The wrapped file's position."""
+        return self._f.tell()

@@ -24,7 +24,7 @@ from .format import (
     parse_name,
 )
 from .payload import check_state
-from .saveload import commit, is_master, newest_valid, to_cpu
+from .saveload import commit, is_master, newest_valid, sync_state, to_cpu
 
 log = logging.getLogger("tpukit")
 
@@ -33,9 +33,11 @@ class CheckpointManager:
     """Numbered checkpoints in one directory: save every N steps, keep the newest K, resume.
 
     Files are ``ckpt-00000005.pt`` (or ``.safetensors``) plus ``ckpt-00000005.json``.
-    With ``async_save=True`` the CPU copy is taken during ``save`` and the disk
-    write runs in a background thread (at most one pending, so up to two CPU
-    copies exist at once); its errors surface on the next call or on ``wait()``.
+    A synchronous save writes tensor by tensor (extra host memory near the largest
+    tensor). With ``async_save=True`` a CPU copy of the whole state is taken during
+    ``save`` and the disk write runs in a background thread (at most one pending,
+    so up to two CPU copies exist at once); its errors surface on the next call or
+    on ``wait()``.
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = 3, every: int | None = None,
@@ -73,7 +75,11 @@ class CheckpointManager:
         state = {"step": step, **state}
         check_state(state, "state", self.weights_format)
         master = is_master()
-        cpu_state = to_cpu(state, copy=self.async_save, master=master)
+        if self.async_save:  # the write runs later: take the CPU copy now (at most one pending)
+            cpu_state = to_cpu(state, copy=True, master=master)
+        else:  # written tensor by tensor from where it lives
+            sync_state(state)
+            cpu_state = state
         self.wait()
         if not master:
             return True

@@ -8,18 +8,15 @@ reload safely, naming the bad entry by its key path (``state['cfg']['fn']``).
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import re
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..errors import CheckpointError
-from .files import Sink
+from .stream import SAFETENSORS_DTYPES, host_copy, read_torch, write_safetensors, write_torch
 
 _STRUCTURE_KEY = "tpukit.structure"
 
@@ -36,6 +33,11 @@ def check_state(obj: Any, path: str, weights_format: str, active: set[int] | Non
     if isinstance(obj, torch.Tensor):
         if obj.device.type == "meta":
             raise CheckpointError(f"{path} is a meta tensor, which holds no data to save. Materialize it first.")
+        if weights_format == "safetensors" and obj.dtype not in SAFETENSORS_DTYPES:
+            raise CheckpointError(
+                f"{path} has dtype {obj.dtype}, which safetensors cannot store. Use weights_format='torch' "
+                "or convert it."
+            )
         return
     if type(obj) in _PLAIN or (weights_format == "torch" and type(obj) in _TORCH_LEAVES):
         return
@@ -97,83 +99,22 @@ def _is_numpy(obj: Any) -> bool:
 
 # --------------------------------------------------------------------------- payload formats
 
-def write_payload(state: Any, tmp: Path, weights_format: str) -> None:
-    """Write CPU ``state`` to the file ``tmp`` in ``weights_format`` ("torch" or "safetensors")."""
-    (_write_torch if weights_format == "torch" else _write_safetensors)(state, tmp)
+def write_payload(state: Any, tmp: Path, weights_format: str,
+                  fetch: Callable[[torch.Tensor], torch.Tensor] = host_copy) -> None:
+    """Write ``state`` to the file ``tmp`` in ``weights_format`` ("torch" or "safetensors").
+
+    Tensors may live on XLA devices (already synced): ``fetch`` copies each one to
+    the host when its turn comes, so the save holds about one tensor at a time.
+    """
+    if weights_format == "torch":
+        write_torch(state, tmp, fetch)
+    else:
+        write_safetensors(state, tmp, fetch, _STRUCTURE_KEY)
 
 
 def read_payload(path: Path, weights_format: str) -> Any:
     """Read the payload ``path`` written in ``weights_format``: its state with CPU tensors."""
-    return (_read_torch if weights_format == "torch" else _read_safetensors)(path)
-
-
-def _write_torch(state: Any, tmp: Path) -> None:
-    with open(tmp, "wb") as f:
-        sink = Sink(f)
-        try:
-            torch.save(state, sink)
-        except Exception:
-            if sink.error is not None:
-                raise sink.error from None
-            raise
-
-
-def _safe_globals() -> list:
-    """numpy's array and scalar rebuilders: data only, so safe to allow (numpy RNG states)."""
-    try:
-        import numpy as np
-    except ImportError:
-        return []
-    arr, scalar = np.zeros(1), np.float64(0)
-    dtypes = {type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFDGSU"}
-    return [arr.__reduce__()[0], scalar.__reduce__()[0], np.ndarray, np.dtype, *dtypes]
-
-
-def _read_torch(path: Path) -> Any:
-    allow = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5
-    with allow(_safe_globals()) if allow else contextlib.nullcontext():
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-
-def _write_safetensors(state: Any, tmp: Path) -> None:
-    from safetensors.torch import save_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    names: dict[int, str] = {}
-    storages: set[int] = set()
-
-    def encode(obj: Any, keys: tuple) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if id(obj) not in names:
-                name = "/".join(map(str, keys)) or "tensor"
-                while name in tensors:
-                    name += "~"
-                t = obj.detach().contiguous()
-                if t.numel() and t.untyped_storage().data_ptr() in storages:
-                    t = t.clone()  # safetensors refuses tensors that share memory
-                storages.add(t.untyped_storage().data_ptr())
-                names[id(obj)], tensors[name] = name, t
-            return {"T": names[id(obj)]}
-        if isinstance(obj, dict):
-            tag = "O" if type(obj) is OrderedDict else "D"
-            return {tag: [[k, encode(v, keys + (k,))] for k, v in obj.items()]}
-        if isinstance(obj, (list, tuple)):
-            tag = {list: "L", tuple: "U"}.get(type(obj), "S")
-            return {tag: [encode(v, keys + (i,)) for i, v in enumerate(obj)]}
-        if isinstance(obj, torch.dtype):
-            return {"dtype": str(obj).removeprefix("torch.")}
-        if isinstance(obj, torch.device):
-            return {"device": str(obj)}
-        return obj
-
-    structure = json.dumps(encode(state, ()))
-    try:
-        save_file(tensors, str(tmp), metadata={"format": "pt", _STRUCTURE_KEY: structure})
-    except Exception as exc:  # SafetensorError: "... (os error 28)" for a full disk
-        code = re.search(r"os error (\d+)", str(exc))
-        if code:
-            raise OSError(int(code.group(1)), os.strerror(int(code.group(1)))) from exc
-        raise
+    return (read_torch if weights_format == "torch" else _read_safetensors)(path)
 
 
 def _read_safetensors(path: Path) -> Any:

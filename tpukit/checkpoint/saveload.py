@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import shutil
 import time
 import warnings
 from pathlib import Path
@@ -34,6 +35,7 @@ from .format import (
     manifest_path,
 )
 from .payload import check_state, read_payload, write_payload
+from .stream import payload_bytes
 
 log = logging.getLogger("tpukit")
 
@@ -45,20 +47,26 @@ def is_master() -> bool:
     return rank() == 0
 
 
+def sync_state(state: Any) -> None:
+    """Compute the state's pending XLA values (every replica must call it: the sync is collective)."""
+    if any(_xla.is_xla_tensor(t) for _, t in tree_leaves(state, is_tensor)):
+        _xla.sync()  # every replica runs the pending step: the same graph the training loop launches
+
+
 def to_cpu(state: Any, copy: bool, master: bool = True) -> Any:
     """The state with every tensor on the CPU (XLA tensors synced, gathered, copied in one batch).
 
-    Tensors that are one object (or one XLA tensor) stay one CPU tensor, so tied
-    weights stay tied. ``copy`` clones CPU tensors too (for a write that runs later).
-    Every replica must call it (the sync is collective); non-master replicas get None.
+    For a write that runs later (async saves, exports): a synchronous save streams
+    instead (``stream``), holding one tensor at a time. Tensors that are one object
+    (or one XLA tensor) stay one CPU tensor, so tied weights stay tied. ``copy``
+    clones CPU tensors too. Every replica must call it; non-master replicas get None.
     """
-    xla = [t for _, t in tree_leaves(state, is_tensor) if _xla.is_xla_tensor(t)]
-    if xla:
-        _xla.sync()  # every replica runs the pending step: the same graph the training loop launches
+    sync_state(state)
     if not master:
         return None
+    xla = [t for _, t in tree_leaves(state, is_tensor) if _xla.is_xla_tensor(t)]
     unique = {("xla", _xla.tensor_id(t)): t for t in reversed(xla)}
-    memo: dict[Any, torch.Tensor] = dict(zip(unique, _xla.to_cpu(list(unique.values())))) if xla else {}
+    memo: dict[Any, torch.Tensor] = dict(zip(unique, _xla.to_cpu(list(unique.values()), sync=False))) if xla else {}
 
     def convert(t: torch.Tensor, _path: str) -> torch.Tensor:
         key = ("xla", _xla.tensor_id(t)) if _xla.is_xla_tensor(t) else id(t)
@@ -68,6 +76,35 @@ def to_cpu(state: Any, copy: bool, master: bool = True) -> Any:
         return memo[key]
 
     return tree_map(convert, state, is_tensor)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
+
+
+def preflight(state: Any, target: Path) -> None:
+    """Raise CheckpointError, before anything is written, when the disk or host memory is too small.
+
+    The disk needs the payload's bytes (plus 1% and 64 KiB of archive overhead)
+    free beside ``target``; host memory needs room for the largest tensor, the
+    most a streamed save holds at once.
+    """
+    total, largest = payload_bytes(state)
+    need = int(total * 1.01) + (64 << 10)
+    free = shutil.disk_usage(target.parent).free
+    if free < need:
+        raise CheckpointError(
+            f"Not enough disk space to save {target.name}: it needs about {_gib(need)} in {target.parent}, which "
+            f"has {_gib(free)} free. Nothing was written and the previous checkpoint is untouched; free space "
+            "(e.g. keep fewer checkpoints) or save to a larger disk."
+        )
+    available = environment.available_memory()
+    if available is not None and largest > available:
+        raise CheckpointError(
+            f"Not enough host memory to save {target.name}: its largest tensor takes {_gib(largest)} on the host "
+            f"while it is written, and {_gib(available)} is available. Nothing was written; free host memory "
+            "(delete CPU copies, restart other kernels) and save again."
+        )
 
 
 # --------------------------------------------------------------------------- writing
@@ -82,10 +119,15 @@ def _write_error(target: Path, exc: OSError) -> CheckpointError:
     )
 
 
-def commit(cpu_state: Any, payload: Path, weights_format: str, step: int | None) -> Manifest:
-    """Write payload then manifest, both atomically; the manifest commits the checkpoint."""
+def commit(state: Any, payload: Path, weights_format: str, step: int | None) -> Manifest:
+    """Write payload then manifest, both atomically; the manifest commits the checkpoint.
+
+    ``state`` is synced (``sync_state``) or on the CPU; its tensors are copied to
+    the host and written one at a time after a disk and memory preflight.
+    """
+    preflight(state, payload)
     try:
-        size, sha = atomic_write(payload, lambda tmp: write_payload(cpu_state, tmp, weights_format))
+        size, sha = atomic_write(payload, lambda tmp: write_payload(state, tmp, weights_format))
         v = environment.versions()
         manifest = Manifest(
             payload=payload.name, weights_format=weights_format, step=step, time=time.time(), bytes=size,
@@ -108,9 +150,10 @@ def save(
 ) -> Manifest | None:
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) atomically to ``path``.
 
-    Syncs pending XLA work, copies XLA tensors to the CPU (sharded ones whole),
-    writes the payload and then its manifest (``path`` with a ``.json`` suffix)
-    from the master replica only. ``weights_format`` is "torch" (default) or
+    Syncs pending XLA work, then writes the payload tensor by tensor (each copied
+    to the host in turn, so the extra host memory stays near the largest tensor;
+    SPMD-sharded ones whole) and then its manifest (``path`` with a ``.json``
+    suffix), from the master replica only. ``weights_format`` is "torch" (default) or
     "safetensors" (no pickle; the default when ``path`` ends in ``.safetensors``).
     Returns the manifest, or None on replicas that do not write.
     """
@@ -130,8 +173,8 @@ def save(
             f"Cannot save to {path}: its manifest {manifest_path(path).name} already belongs to {other}, "
             "which would become unloadable. Use a different file name."
         )
-    cpu_state = to_cpu(state, copy=False, master=master)
-    return commit(cpu_state, path, fmt, step) if master else None
+    sync_state(state)
+    return commit(state, path, fmt, step) if master else None
 
 
 def _manifest_owner(path: Path) -> str | None:

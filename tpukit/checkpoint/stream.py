@@ -1,0 +1,237 @@
+"""Payloads written tensor by tensor, so a save holds about one tensor in host memory, not the state.
+
+Both formats are laid out first and filled in after:
+
+- **torch**: ``torch.save`` writes the archive with ``torch.serialization.skip_data``
+  from a skeleton of never-touched ``torch.empty`` stand-ins (no host memory is
+  committed for them), leaving the storage records as holes in the file. Loading
+  that file under ``FakeTensorMode`` gives each storage's byte offset (torch's own
+  offset computation), and each tensor is then copied to the CPU and written at its
+  offset with ``os.pwrite``, one at a time. The file is an ordinary ``torch.save``
+  archive: ``torch.load`` reads it. Its zip CRC fields do not cover the filled-in
+  bytes (torch does not check them); the manifest's sha256 covers the whole file.
+- **safetensors**: the header (names, dtypes, shapes, offsets, and the tree's
+  structure as metadata) is written from the shapes alone, then the data, tensor by
+  tensor; ``safetensors.safe_open`` reads it.
+
+Tensors that are one object, one XLA tensor or one CPU view are written once, so
+tied weights stay tied. Write errors are the real ``OSError`` (ENOSPC, EFBIG, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .. import _xla
+from .._tree import is_tensor, tree_leaves, tree_map
+from ..errors import CheckpointError
+from .files import Sink
+
+_CHUNK = 64 << 20  # bytes per pwrite call
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64",
+}
+
+
+@dataclass
+class Entry:
+    """One distinct tensor of a state: where it comes from and the stand-in that takes its place."""
+
+    source: torch.Tensor
+    stand_in: torch.Tensor
+    name: str = ""  # safetensors record name
+    offset: int = 0  # byte offset of its data in the file
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its data."""
+        return self.source.numel() * self.source.element_size()
+
+
+def tensor_key(t: torch.Tensor) -> Any:
+    """Equal for tensors that are the same data: one XLA tensor, or one view of one CPU storage."""
+    if _xla.is_xla_tensor(t):
+        return ("xla", _xla.tensor_id(t))
+    storage = t.untyped_storage()
+    if t.device.type == "cpu" and storage.data_ptr():
+        return ("cpu", storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    return ("obj", id(t))
+
+
+def skeleton(state: Any) -> tuple[Any, list[Entry]]:
+    """``state`` with each distinct tensor replaced by an untouched ``torch.empty`` of its shape and dtype."""
+    entries: dict[Any, Entry] = {}
+
+    def replace(t: torch.Tensor, _path: str) -> torch.Tensor:
+        key = tensor_key(t)
+        if key not in entries:
+            entries[key] = Entry(t, torch.empty(tuple(t.shape), dtype=t.dtype))
+        return entries[key].stand_in
+
+    return tree_map(replace, state, is_tensor), list(entries.values())
+
+
+def payload_bytes(state: Any) -> tuple[int, int]:
+    """(total, largest) data bytes of the distinct tensors in ``state``: what a save writes and holds."""
+    seen: dict[Any, int] = {}
+    for _, t in tree_leaves(state, is_tensor):
+        seen.setdefault(tensor_key(t), t.numel() * t.element_size())
+    return sum(seen.values()), max(seen.values(), default=0)
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with ``t``'s data (XLA tensors copied without a sync: the caller synced)."""
+    cpu = _xla.to_cpu([t], sync=False)[0] if _xla.is_xla_tensor(t) else t.detach()
+    return cpu.contiguous()
+
+
+def _pwrite_all(fd: int, t: torch.Tensor, offset: int) -> None:
+    if not t.numel():
+        return
+    data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:done + _CHUNK], offset + done)
+
+
+def _fill(tmp: Path, entries: list[Entry], fetch: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Copy each entry to the host and write it at its offset, one at a time, in file order."""
+    fd = os.open(tmp, os.O_WRONLY)
+    try:
+        for entry in sorted(entries, key=lambda e: e.offset):
+            cpu = fetch(entry.source)
+            if tuple(cpu.shape) != tuple(entry.stand_in.shape) or cpu.dtype != entry.stand_in.dtype:
+                raise CheckpointError(
+                    f"A tensor changed from {tuple(entry.stand_in.shape)} {entry.stand_in.dtype} to "
+                    f"{tuple(cpu.shape)} {cpu.dtype} while it was being saved. Save when no other thread "
+                    "modifies the state."
+                )
+            _pwrite_all(fd, cpu, entry.offset)
+            del cpu
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- torch archive
+
+def _save_torch(obj: Any, tmp: Path) -> None:
+    """``torch.save`` to ``tmp``, raising the real OSError of a failed write."""
+    with open(tmp, "wb") as f:
+        sink = Sink(f)
+        try:
+            torch.save(obj, sink)
+        except Exception:
+            if sink.error is not None:
+                raise sink.error from None
+            raise
+
+
+def _safe_globals() -> list:
+    """numpy's array and scalar rebuilders: data only, so safe to allow (numpy RNG states)."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    arr, scalar = np.zeros(1), np.float64(0)
+    dtypes = {type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFDGSU"}
+    return [arr.__reduce__()[0], scalar.__reduce__()[0], np.ndarray, np.dtype, *dtypes]
+
+
+def read_torch(path: Path, mmap: bool = False) -> Any:
+    """``torch.load`` of a payload: CPU tensors, data-only unpickling (numpy values allowed)."""
+    allow = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5
+    with allow(_safe_globals()) if allow else contextlib.nullcontext():
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+
+def write_torch(state: Any, tmp: Path, fetch: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Write ``state`` to ``tmp`` as a ``torch.save`` archive, tensor data streamed in afterwards."""
+    frame, entries = skeleton(state)
+    with torch.serialization.skip_data():
+        _save_torch(frame, tmp)
+    _locate(tmp, frame, entries)
+    _fill(tmp, entries, fetch)
+
+
+def _locate(tmp: Path, frame: Any, entries: list[Entry]) -> None:
+    """Set each entry's byte offset in the archive ``tmp`` written from ``frame``.
+
+    ``torch.load(mmap=True)`` maps the file and makes each storage a slice of that
+    one mapping at its record's offset (nothing is read), so a storage's address
+    minus the mapping's base is its offset; the base is pinned by the archive's
+    first data record and every offset is checked against the archive's records.
+    """
+    reader = torch._C.PyTorchFileReader(str(tmp))
+    records = {reader.get_record_offset(name) for name in reader.get_all_records() if name.startswith("data/")}
+    laid_out = read_torch(tmp, mmap=True)
+    pairs = [(stand_in, loaded) for (_, stand_in), (_, loaded)
+             in zip(tree_leaves(frame, is_tensor), tree_leaves(laid_out, is_tensor))]
+    addresses = {id(s): loaded.untyped_storage().data_ptr() for s, loaded in pairs}
+    base = min(addresses.values(), default=0) - min(records, default=0)
+    for entry in entries:
+        entry.offset = addresses[id(entry.stand_in)] - base
+    if len(pairs) != len(list(tree_leaves(frame, is_tensor))) or any(e.offset not in records for e in entries):
+        raise CheckpointError(f"Could not lay out the checkpoint {tmp}: torch.load saw a different archive.")
+
+
+# --------------------------------------------------------------------------- safetensors
+
+def write_safetensors(state: Any, tmp: Path, fetch: Callable[[torch.Tensor], torch.Tensor],
+                      structure_key: str) -> None:
+    """Write ``state`` to ``tmp`` as a safetensors file whose metadata holds the tree's structure."""
+    frame, entries = skeleton(state)
+    by_stand_in = {id(e.stand_in): e for e in entries}
+    used: set[str] = set()
+
+    def encode(obj: Any, keys: tuple) -> Any:
+        if isinstance(obj, torch.Tensor):
+            entry = by_stand_in[id(obj)]
+            if not entry.name:
+                name = "/".join(map(str, keys)) or "tensor"
+                while name in used:
+                    name += "~"
+                used.add(name)
+                entry.name = name
+            return {"T": entry.name}
+        if isinstance(obj, dict):
+            tag = "O" if type(obj) is OrderedDict else "D"
+            return {tag: [[k, encode(v, keys + (k,))] for k, v in obj.items()]}
+        if isinstance(obj, (list, tuple)):
+            tag = {list: "L", tuple: "U"}.get(type(obj), "S")
+            return {tag: [encode(v, keys + (i,)) for i, v in enumerate(obj)]}
+        if isinstance(obj, torch.dtype):
+            return {"dtype": str(obj).removeprefix("torch.")}
+        if isinstance(obj, torch.device):
+            return {"device": str(obj)}
+        return obj
+
+    structure = json.dumps(encode(frame, ()))
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", structure_key: structure}}
+    position = 0
+    for entry in entries:
+        header[entry.name] = {"dtype": SAFETENSORS_DTYPES[entry.stand_in.dtype],
+                              "shape": list(entry.stand_in.shape), "data_offsets": [position, position + entry.nbytes]}
+        entry.offset = position
+        position += entry.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    start = 8 + len(text)
+    with open(tmp, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        f.truncate(start + position)
+    for entry in entries:
+        entry.offset += start
+    _fill(tmp, entries, fetch)
