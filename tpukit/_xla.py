@@ -220,6 +220,16 @@ def pending_hlo(tensors: Sequence[Any]) -> str:
 
 # --------------------------------------------------------------------------- checkpoints
 
+def rng_seed() -> int:
+    """The default XLA device's running random-number seed (advanced by every random op traced)."""
+    return int(torch_xla()._XLAC._xla_get_rng_seed(str(torch_xla()._XLAC._xla_get_default_device())))
+
+
+def set_rng_seed(seed: int) -> None:
+    """Set the default XLA device's running random-number seed (``xm.set_rng_state``)."""
+    torch_xla()._XLAC._xla_set_rng_seed(int(seed), str(torch_xla()._XLAC._xla_get_default_device()))
+
+
 def tensor_id(t: Any) -> int:
     """torch_xla's id of an XLA tensor; equal ids mean the same data seen through
     different tensor objects (tied weights, ``state_dict()`` detaches)."""
@@ -286,6 +296,23 @@ def to_device_sharded(t: Any, mesh: Any, partition_spec: Sequence[Any]):
 def sharding_spec(t: Any) -> str:
     """The XLA sharding of a device tensor as text (e.g. '{devices=[4,1]0,1,2,3}'); '' if none."""
     return str(torch_xla()._XLAC._get_xla_sharding_spec(t))
+
+
+def is_sharded(t: Any) -> bool:
+    """True for an XLA tensor split over several devices (a sharding that is not replicated)."""
+    spec = sharding_spec(getattr(t, "global_tensor", t)) if is_xla_tensor(t) else ""
+    return bool(spec) and "replicated" not in spec and "maximal" not in spec
+
+
+def spmd_checkpoint_planners() -> tuple[Any, Any]:
+    """torch_xla's (save, load) planners for ``torch.distributed.checkpoint`` with sharded tensors."""
+    dc = _module("torch_xla.experimental.distributed_checkpoint")
+    return dc.SPMDSavePlanner(), dc.SPMDLoadPlanner()
+
+
+def prime_optimizer(optimizer: Any) -> None:
+    """Create an optimizer's state (a zero-gradient step) so a sharded checkpoint can load into it."""
+    _module("torch_xla.experimental.distributed_checkpoint").prime_optimizer(optimizer)
 
 
 class _FirstDimSharding:

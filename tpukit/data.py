@@ -1,4 +1,4 @@
-"""Shape-stable batching: padding and length buckets.
+"""Shape-stable batching: padding, length buckets and the 4-D mask BERT takes as it is.
 
 XLA compiles one graph per distinct input shape. Padding every batch to the
 longest sequence *in that batch* (the usual dynamic padding) gives a new shape,
@@ -47,10 +47,7 @@ def bucket_for(length: int, buckets: Sequence[int]) -> int:
     """The smallest bucket length that holds ``length`` (sequences longer than the last are truncated)."""
     if not buckets:
         raise DataError("bucket_for needs at least one bucket length.")
-    for b in sorted(buckets):
-        if length <= b:
-            return b
-    return max(buckets)
+    return next((b for b in sorted(buckets) if length <= b), max(buckets))
 
 
 def pad_to(sequences: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +60,14 @@ def pad_to(sequences: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> 
             ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             mask[i, : len(seq)] = 1
     return ids, mask
+
+
+def bert_mask(attention_mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The 2-D 0/1 padding mask as the 4-D additive mask transformers' BERT uses as it is: same logits,
+    and no ``mask.all()`` read from the device mid-forward (a forced read and an extra graph per shape).
+    ``(batch, 1, 1, length)``: 0 where attended, ``dtype``'s minimum on padding; lazy ops in the step graph."""
+    keep = attention_mask[:, None, None, :].to(dtype)
+    return (1.0 - keep) * torch.finfo(dtype).min
 
 
 @dataclass(frozen=True)

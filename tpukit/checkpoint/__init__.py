@@ -27,6 +27,7 @@ copy), ``manager`` (CheckpointManager) and ``export`` (export_pretrained).
 from .export import export_pretrained
 from .format import Manifest
 from .manager import CheckpointManager
+from .rng import rng_state, set_rng_state
 from .saveload import load, save, verify
 
-__all__ = ["CheckpointManager", "Manifest", "export_pretrained", "load", "save", "verify"]
+__all__ = ["CheckpointManager", "Manifest", "export_pretrained", "load", "rng_state", "save", "set_rng_state", "verify"]

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import CheckpointError, TpukitWarning
 from .files import fsync_dir, temp_path
-from .saveload import is_master, to_cpu
+from .saveload import is_master, sync_state, to_cpu
 
 
 def export_pretrained(model: Any, folder: str | os.PathLike, tokenizer: Any = None, **save_kwargs: Any) -> Path | None:
@@ -29,7 +29,9 @@ def export_pretrained(model: Any, folder: str | os.PathLike, tokenizer: Any = No
     _warn_if_untied(model)
     folder = Path(folder)
     master = is_master()
-    cpu_state = to_cpu(model.state_dict(), copy=False, master=master)
+    model_state = model.state_dict()
+    sync_state(model_state)
+    cpu_state = to_cpu(model_state, copy=False, master=master)
     if not master:
         return None
     tmp = temp_path(folder)

@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import secrets
+import shutil
 import socket
 from pathlib import Path
 from typing import IO, Any, Callable
@@ -77,9 +78,17 @@ def remove_stale_temps(directory: Path, prefix: str) -> None:
         if len(parts) == 4 and parts[1] == host and parts[2].isdigit():
             pid = int(parts[2])
             if pid != os.getpid() and not _pid_alive(pid):
-                with contextlib.suppress(OSError):
-                    os.unlink(directory / name)
-                    log.info("removed stale temporary checkpoint file %s", name)
+                remove_path(directory / name)
+                log.info("removed stale temporary checkpoint file %s", name)
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file, or a directory with its files (a sharded checkpoint); nothing if it is gone."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def _pid_alive(pid: int) -> bool:

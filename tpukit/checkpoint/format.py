@@ -16,9 +16,11 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 
-FORMAT_VERSION = 1
+FILE_FORMAT_VERSION = 1  # a single-file payload
+SHARDED_FORMAT_VERSION = 2  # a sharded checkpoint directory (sharded.py); older tpukit says "upgrade"
+FORMAT_VERSION = SHARDED_FORMAT_VERSION  # the newest this tpukit reads
 WEIGHTS_FORMATS = ("torch", "safetensors")
-SUFFIX = {"torch": ".pt", "safetensors": ".safetensors"}  # payload suffix per weights format
+SUFFIX = {"torch": ".pt", "safetensors": ".safetensors", "dcp": ".dcp"}  # payload suffix per weights format
 MANIFEST_SUFFIX = ".json"
 NAME_PREFIX = "ckpt-"
 _NAME_RE = re.compile(rf"^{re.escape(NAME_PREFIX)}(\d{{8,}})(\.[a-z]+)$")
@@ -32,7 +34,7 @@ def check_weights_format(weights_format: str) -> str:
 
 
 def checkpoint_name(step: int, suffix: str) -> str:
-    """The file name of checkpoint ``step`` with ``suffix`` (``.json``, ``.pt``, ``.safetensors``)."""
+    """The file name of checkpoint ``step`` with ``suffix`` (``.json``, ``.pt``, ``.safetensors``, ``.dcp``)."""
     return f"{NAME_PREFIX}{step:08d}{suffix}"
 
 
@@ -66,7 +68,8 @@ class Manifest:
     tpukit: str
     torch: str | None
     torch_xla: str | None
-    format_version: int = FORMAT_VERSION
+    format_version: int = FILE_FORMAT_VERSION
+    files: dict | None = None  # sharded checkpoints: {file name: [bytes, sha256]} of the directory's files
 
     def to_json(self) -> str:
         """The manifest as JSON text."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -12,18 +11,22 @@ from typing import Any
 
 import torch
 
+from .. import _xla
 from ..errors import CheckpointError, TpukitWarning
-from .files import remove_stale_temps
+from .files import remove_path, remove_stale_temps
 from .format import (
     MANIFEST_SUFFIX,
     NAME_PREFIX,
     SUFFIX,
     check_weights_format,
     checkpoint_name,
+    Manifest,
     committed_steps,
     parse_name,
 )
 from .payload import check_state
+from .rng import RNG_KEY, rng_state, set_rng_state
+from .sharded import SHARDED, has_sharded_tensors, saved_keys
 from .saveload import commit, is_master, newest_valid, sync_state, to_cpu
 
 log = logging.getLogger("tpukit")
@@ -38,10 +41,21 @@ class CheckpointManager:
     ``save`` and the disk write runs in a background thread (at most one pending,
     so up to two CPU copies exist at once); its errors surface on the next call or
     on ``wait()``.
+
+    With ``rng=True`` (the default) each checkpoint also holds the generator states
+    (XLA device, torch CPU, numpy, Python; see ``rng_state``) and ``restore`` puts
+    them back, so a resumed run with dropout draws what the uninterrupted run drew.
+
+    A state holding SPMD-sharded tensors is saved as a sharded checkpoint
+    (``ckpt-00000005.dcp/``, see ``sharded``): each shard written as it is, never
+    gathered; ``restore`` loads it into whatever mesh the model is sharded over now.
+    ``sharded=True``/``False`` forces or forbids that layout. Sharded saves are
+    synchronous even with ``async_save`` (shards go from the devices to disk).
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = 3, every: int | None = None,
-                 weights_format: str = "torch", async_save: bool = False):
+                 weights_format: str = "torch", async_save: bool = False, rng: bool = True,
+                 sharded: bool | None = None):
         if keep is not None and keep < 1:
             raise CheckpointError(f"keep={keep} would delete every checkpoint; use keep >= 1, or None to keep all.")
         if every is not None and every < 1:
@@ -49,6 +63,7 @@ class CheckpointManager:
         check_weights_format(weights_format)
         self.directory = Path(directory)
         self.keep, self.every, self.weights_format, self.async_save = keep, every, weights_format, async_save
+        self.rng, self.sharded = rng, sharded
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pending_step: int | None = None
@@ -72,14 +87,24 @@ class CheckpointManager:
             if self._thread is not None and not self._thread.is_alive():
                 self.wait()
             return False
+        if RNG_KEY in state:
+            raise CheckpointError(
+                f"{RNG_KEY!r} is the entry the manager stores the generator states under; name yours differently "
+                "(or pass rng=False to the CheckpointManager to manage them yourself)."
+            )
         state = {"step": step, **state}
         check_state(state, "state", self.weights_format)
         master = is_master()
-        if self.async_save:  # the write runs later: take the CPU copy now (at most one pending)
-            cpu_state = to_cpu(state, copy=True, master=master)
-        else:  # written tensor by tensor from where it lives
-            sync_state(state)
-            cpu_state = state
+        sync_state(state)
+        if self.rng:  # read after the sync, which advances the XLA seed
+            state[RNG_KEY] = rng_state()
+        fmt = self.weights_format
+        if self.sharded or (self.sharded is None and has_sharded_tensors(state)):
+            fmt = SHARDED
+        # async: the write runs later, so take the CPU copy now (at most one pending);
+        # sync: written tensor by tensor (or shard by shard) from where it lives
+        background = self.async_save and fmt != SHARDED
+        cpu_state = to_cpu(state, copy=True, master=master) if background else state
         self.wait()
         if not master:
             return True
@@ -90,22 +115,23 @@ class CheckpointManager:
                 "restore() keep returning the newer one. Use a fresh directory for a new run.",
                 TpukitWarning, stacklevel=2,
             )
-        if self.async_save:
+        if background:
             self._pending_step = step
-            self._thread = threading.Thread(target=self._background, args=(step, cpu_state), name="tpukit-checkpoint")
+            self._thread = threading.Thread(target=self._background, args=(step, cpu_state, fmt),
+                                            name="tpukit-checkpoint")
             self._thread.start()
         else:
-            self._write(step, cpu_state)
+            self._write(step, cpu_state, fmt)
         return True
 
-    def _write(self, step: int, cpu_state: Any) -> None:
-        payload = self.directory / checkpoint_name(step, SUFFIX[self.weights_format])
-        commit(cpu_state, payload, self.weights_format, step)
+    def _write(self, step: int, cpu_state: Any, fmt: str) -> None:
+        payload = self.directory / checkpoint_name(step, SUFFIX[fmt])
+        commit(cpu_state, payload, fmt, step)
         self._prune(step)
 
-    def _background(self, step: int, cpu_state: Any) -> None:
+    def _background(self, step: int, cpu_state: Any, fmt: str) -> None:
         try:
-            self._write(step, cpu_state)
+            self._write(step, cpu_state, fmt)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
             self._error = exc
 
@@ -129,13 +155,11 @@ class CheckpointManager:
         for name in os.listdir(self.directory):  # payloads whose save died before the manifest
             parsed = parse_name(name)
             if parsed and parsed[1] != MANIFEST_SUFFIX and parsed[0] < saved and parsed[0] not in keep:
-                with contextlib.suppress(OSError):
-                    os.unlink(self.directory / name)
+                remove_path(self.directory / name)
 
     def _delete(self, step: int) -> None:
         for suffix in (MANIFEST_SUFFIX, *SUFFIX.values()):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.directory / checkpoint_name(step, suffix))
+            remove_path(self.directory / checkpoint_name(step, suffix))
 
     # -- reading
 
@@ -162,17 +186,25 @@ class CheckpointManager:
         Tensors are read on the CPU and copied by ``load_state_dict`` onto the
         device each parameter lives on (optimizer state follows its parameters,
         with the same placement rules as a fresh run). ``step_var``, a tensor such
-        as an on-device step counter, is filled with the step in place.
+        as an on-device step counter, is filled with the step in place. The generator
+        states are restored last (when the manager has ``rng=True`` and the
+        checkpoint holds them), whatever the process seeded before.
         """
-        state = self.latest()
-        if state is None:
+        self.wait()
+        newest = self.all_steps()
+        sharded = self._sharded_payload(newest[-1]) if newest else None
+        into = self._template(sharded, model, optimizer, scheduler) if sharded is not None else None
+        found = newest_valid(self.directory, into=into)
+        if found is None:
             log.info("no checkpoint in %s; starting from step 0", self.directory)
             return 0
+        state = found[1]
+        saved = saved_keys(sharded) if state is into else set(state)
         step = int(state["step"])
         for key, target in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
-            if target is not None and key not in state:
+            if target is not None and key not in saved:
                 raise CheckpointError(
-                    f"Checkpoint step {step} in {self.directory} has no {key!r} entry (it has {sorted(state)}); "
+                    f"Checkpoint step {step} in {self.directory} has no {key!r} entry (it has {sorted(saved)}); "
                     f"save it with manager.save(step, {key}={key}.state_dict())."
                 )
         if model is not None:
@@ -191,7 +223,33 @@ class CheckpointManager:
         if step_var is not None:
             with torch.no_grad():
                 step_var.fill_(step)
+        if self.rng and RNG_KEY in state:
+            set_rng_state(state[RNG_KEY])
         return step
+
+    def _sharded_payload(self, step: int) -> Path | None:
+        """The directory of checkpoint ``step`` when it is a sharded one (per its manifest)."""
+        try:
+            manifest = Manifest.read(self.directory / checkpoint_name(step, MANIFEST_SUFFIX))
+        except CheckpointError:
+            return None
+        return self.directory / manifest.payload if manifest.weights_format == SHARDED else None
+
+    def _template(self, path: Path, model: Any, optimizer: Any, scheduler: Any) -> dict:
+        """The dict a sharded checkpoint loads into: the objects' own state dicts, sharded as they are now."""
+        keys = saved_keys(path)
+        template: dict[str, Any] = {"step": 0}
+        if model is not None and "model" in keys:
+            template["model"] = model.state_dict()
+        if optimizer is not None and "optimizer" in keys:
+            if not optimizer.state:  # its state tensors must exist to be loaded into (torch_xla's recipe)
+                _xla.prime_optimizer(optimizer)
+            template["optimizer"] = optimizer.state_dict()
+        if scheduler is not None and "scheduler" in keys:
+            template["scheduler"] = scheduler.state_dict()
+        if self.rng and RNG_KEY in keys:
+            template[RNG_KEY] = rng_state()
+        return template
 
 
 def _check_keys(model: torch.nn.Module, saved: dict, strict: bool, where: str) -> None:

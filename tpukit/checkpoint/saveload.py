@@ -28,6 +28,7 @@ from ..runtime import rank
 from .files import atomic_write, hash_file
 from .format import (
     MANIFEST_SUFFIX,
+    SUFFIX,
     Manifest,
     check_weights_format,
     checkpoint_name,
@@ -35,6 +36,8 @@ from .format import (
     manifest_path,
 )
 from .payload import check_state, read_payload, write_payload
+from .rng import RNG_KEY, rng_state, set_rng_state
+from .sharded import SHARDED, read_sharded, verify_sharded, write_sharded
 from .stream import payload_bytes
 
 log = logging.getLogger("tpukit")
@@ -48,7 +51,12 @@ def is_master() -> bool:
 
 
 def sync_state(state: Any) -> None:
-    """Compute the state's pending XLA values (every replica must call it: the sync is collective)."""
+    """Compute the state's pending XLA values (every replica must call it: the sync is collective).
+
+    Called once per save, before the generator states are read: a sync advances
+    the XLA seed, and the resumed run must start from the seed the saving run's
+    next step used.
+    """
     if any(_xla.is_xla_tensor(t) for _, t in tree_leaves(state, is_tensor)):
         _xla.sync()  # every replica runs the pending step: the same graph the training loop launches
 
@@ -59,9 +67,8 @@ def to_cpu(state: Any, copy: bool, master: bool = True) -> Any:
     For a write that runs later (async saves, exports): a synchronous save streams
     instead (``stream``), holding one tensor at a time. Tensors that are one object
     (or one XLA tensor) stay one CPU tensor, so tied weights stay tied. ``copy``
-    clones CPU tensors too. Every replica must call it; non-master replicas get None.
+    clones CPU tensors too. Call ``sync_state`` first; non-master replicas get None.
     """
-    sync_state(state)
     if not master:
         return None
     xla = [t for _, t in tree_leaves(state, is_tensor) if _xla.is_xla_tensor(t)]
@@ -127,41 +134,56 @@ def commit(state: Any, payload: Path, weights_format: str, step: int | None) -> 
     """
     preflight(state, payload)
     try:
-        size, sha = atomic_write(payload, lambda tmp: write_payload(state, tmp, weights_format))
-        v = environment.versions()
-        manifest = Manifest(
-            payload=payload.name, weights_format=weights_format, step=step, time=time.time(), bytes=size,
-            sha256=sha, tpukit=__version__, torch=v.get("torch"), torch_xla=v.get("torch_xla"),
-        )
-        text = manifest.to_json()
-        atomic_write(manifest_path(payload), lambda tmp: tmp.write_text(text))
+        if weights_format == SHARDED:
+            manifest = write_sharded(state, payload, step)
+        else:
+            size, sha = atomic_write(payload, lambda tmp: write_payload(state, tmp, weights_format))
+            v = environment.versions()
+            manifest = Manifest(
+                payload=payload.name, weights_format=weights_format, step=step, time=time.time(), bytes=size,
+                sha256=sha, tpukit=__version__, torch=v.get("torch"), torch_xla=v.get("torch_xla"),
+            )
+            text = manifest.to_json()
+            atomic_write(manifest_path(payload), lambda tmp: tmp.write_text(text))
     except OSError as exc:
         raise _write_error(payload, exc) from exc
-    log.info("checkpoint saved: %s (%d bytes, step %s)", payload, size, step)
+    log.info("checkpoint saved: %s (%d bytes, step %s)", payload, manifest.bytes, step)
     return manifest
 
 
 def _weights_format(path: Path, weights_format: str | None) -> str:
+    if weights_format == SHARDED or (weights_format is None and path.suffix == SUFFIX[SHARDED]):
+        return SHARDED
     return check_weights_format(weights_format or ("safetensors" if path.suffix == ".safetensors" else "torch"))
 
 
 def save(
-    state: Any, path: str | os.PathLike, *, step: int | None = None, weights_format: str | None = None
+    state: Any, path: str | os.PathLike, *, step: int | None = None, weights_format: str | None = None,
+    rng: bool = False,
 ) -> Manifest | None:
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) atomically to ``path``.
 
     Syncs pending XLA work, then writes the payload tensor by tensor (each copied
     to the host in turn, so the extra host memory stays near the largest tensor;
     SPMD-sharded ones whole) and then its manifest (``path`` with a ``.json``
-    suffix), from the master replica only. ``weights_format`` is "torch" (default) or
-    "safetensors" (no pickle; the default when ``path`` ends in ``.safetensors``).
+    suffix), from the master replica only. ``weights_format`` is "torch" (default),
+    "safetensors" (no pickle; the default when ``path`` ends in ``.safetensors``) or
+    "dcp" (the default when ``path`` ends in ``.dcp``): a sharded checkpoint
+    directory, each SPMD shard written as it is, never gathered (``sharded``).
+    ``rng=True`` adds the generator states (``rng_state()``) to a dict ``state``
+    under ``"rng_state"``; ``load(path, rng=True)`` restores them.
     Returns the manifest, or None on replicas that do not write.
     """
     path = Path(path)
+    if rng and (not isinstance(state, dict) or RNG_KEY in state):
+        raise CheckpointError(
+            f"save(rng=True) adds the generator states to a dict state under {RNG_KEY!r}; pass a dict "
+            f"without that key (got {type(state).__name__})."
+        )
     fmt = _weights_format(path, weights_format)
     if path.suffix == MANIFEST_SUFFIX:
         raise CheckpointError(f"Cannot save a checkpoint to {path}: .json is the manifest's suffix. Use e.g. .pt.")
-    check_state(state, "state", fmt)
+    check_state(state, "state", "torch" if fmt == SHARDED else fmt)
     if step is None and isinstance(state, dict) and type(state.get("step")) is int:
         step = state["step"]
     master = is_master()
@@ -174,6 +196,8 @@ def save(
             "which would become unloadable. Use a different file name."
         )
     sync_state(state)
+    if rng:  # read after the sync, which advances the XLA seed
+        state = {**state, RNG_KEY: rng_state()}
     return commit(state, path, fmt, step) if master else None
 
 
@@ -198,6 +222,9 @@ def verify(path: str | os.PathLike) -> Manifest:
             f"Manifest {manifest_path(path)} belongs to {manifest.payload}, not {path.name}: two checkpoints "
             "share a manifest name. Load the one it names, or save under distinct names."
         )
+    if manifest.weights_format == SHARDED:
+        verify_sharded(path, manifest)
+        return manifest
     with open(path, "rb") as f:
         size, sha = hash_file(f)
     if size != manifest.bytes or sha != manifest.sha256:
@@ -208,11 +235,17 @@ def verify(path: str | os.PathLike) -> Manifest:
     return manifest
 
 
-def _read(path: Path, manifest: Manifest, device: Any) -> Any:
+def _read(path: Path, manifest: Manifest, device: Any, into: dict | None = None) -> Any:
     try:
+        if manifest.weights_format == SHARDED:
+            return read_sharded(path, into) if into is not None else _place(read_sharded(path), device)
         state = read_payload(path, manifest.weights_format)
     except Exception as exc:  # noqa: BLE001 - hash matched, so the payload itself is bad
         raise CheckpointError(f"Checkpoint {path} passed its hash check but could not be read: {exc}") from exc
+    return _place(state, device)
+
+
+def _place(state: Any, device: Any) -> Any:
     if device is None or torch.device(device).type == "cpu":
         return state
     memo: dict[int, torch.Tensor] = {}
@@ -225,7 +258,8 @@ def _read(path: Path, manifest: Manifest, device: Any) -> Any:
     return tree_map(place, state, is_tensor)
 
 
-def newest_valid(directory: Path, device: Any = None, read: bool = True) -> tuple[int, Any] | None:
+def newest_valid(directory: Path, device: Any = None, read: bool = True,
+                 into: dict | None = None) -> tuple[int, Any] | None:
     """``(step, state)`` of the newest checkpoint in ``directory`` that verifies, or None.
 
     Damaged checkpoints (missing or unreadable manifest, wrong size or hash, a
@@ -236,30 +270,45 @@ def newest_valid(directory: Path, device: Any = None, read: bool = True) -> tupl
         try:
             payload = directory / Manifest.read(directory / checkpoint_name(step, MANIFEST_SUFFIX)).payload
             manifest = verify(payload)
-            return step, (_read(payload, manifest, device) if read else None)
+            return step, (_read(payload, manifest, device, into) if read else None)
         except (CheckpointError, OSError) as exc:
             # stacklevel 3: the caller of the public function (load, latest, latest_step)
             warnings.warn(f"Skipping checkpoint step {step} in {directory}: {exc}", TpukitWarning, stacklevel=3)
     return None
 
 
-def load(path: str | os.PathLike, device: Any = None) -> Any:
+def load(path: str | os.PathLike, device: Any = None, rng: bool = False, into: dict | None = None) -> Any:
     """Load a verified checkpoint: CPU tensors, or tensors placed on ``device``.
 
     ``path`` is a payload written by ``save`` or a ``CheckpointManager`` directory
-    (its newest valid checkpoint). Raises CheckpointError for anything missing,
-    truncated or altered.
+    (its newest valid checkpoint). ``rng=True`` also restores the generator states
+    the checkpoint holds (``save(rng=True)``, or any manager checkpoint). A sharded
+    checkpoint loads whole onto the CPU (consolidated, no torch_xla needed), or
+    with ``into`` (a dict like the saved state whose tensors are sharded over the
+    current mesh, any mesh shape) in place, each device reading only its slices
+    (``into`` is ignored for single-file checkpoints, which load whole). Raises CheckpointError for anything missing, truncated or altered.
     """
-    path = Path(path)
-    if not path.is_dir():
-        return _read(path, verify(path), device)
+    state = _load(Path(path), device, into)
+    if rng:
+        if not isinstance(state, dict) or RNG_KEY not in state:
+            raise CheckpointError(
+                f"Checkpoint {path} holds no generator states: save it with save(..., rng=True) or a "
+                "CheckpointManager, or load it with rng=False."
+            )
+        set_rng_state(state[RNG_KEY])
+    return state
+
+
+def _load(path: Path, device: Any, into: dict | None) -> Any:
+    if not path.is_dir() or path.suffix == SUFFIX[SHARDED]:
+        return _read(path, verify(path), device, into)
     steps = committed_steps(path)
     if not steps:
         raise CheckpointError(
             f"No checkpoint in directory {path}: it holds no ckpt-*.json manifests. "
             "Pass a checkpoint file, or a directory written by CheckpointManager."
         )
-    found = newest_valid(path, device)
+    found = newest_valid(path, device, into=into)
     if found is None:
         raise CheckpointError(f"No valid checkpoint in {path}: all {len(steps)} are damaged (see the warnings).")
     return found[1]

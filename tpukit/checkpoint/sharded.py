@@ -1,0 +1,146 @@
+"""Sharded checkpoints: an SPMD state saved shard by shard, never gathered onto one host.
+
+The format is PyTorch's distributed checkpoint (``torch.distributed.checkpoint``,
+DCP) written with torch_xla's SPMD save/load planners: a directory holding one
+``__<rank>_0.distcp`` file per writing process (each host writes the shards its
+devices own) and a ``.metadata`` file that maps every tensor's global shape to
+the chunks on disk. Loading re-slices those chunks for whatever mesh the target
+tensors are sharded over, so a state saved on 2 devices restores on 4 and back,
+and it loads whole into plain CPU PyTorch (no torch_xla needed) on request.
+
+Commit semantics are tpukit's, as for single-file payloads: DCP writes into a
+temporary directory beside the target; its files are hashed and fsynced, the
+directory is renamed into place and fsynced, and only then is the JSON manifest
+(listing every file's size and sha256) written atomically. The manifest is the
+commit marker: a save killed at any point leaves the previous checkpoint valid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from .. import _xla, environment
+from .._tree import is_tensor, tree_leaves
+from .._version import __version__
+from ..errors import CheckpointError
+from .files import atomic_write, fsync_dir, hash_file, temp_path
+from .format import SHARDED_FORMAT_VERSION, Manifest, manifest_path
+
+SHARDED = "dcp"  # the manifest's weights_format for a sharded checkpoint directory
+
+
+def has_sharded_tensors(state: Any) -> bool:
+    """True when ``state`` holds an XLA tensor split over several devices (SPMD)."""
+    return any(_xla.is_sharded(t) for _, t in tree_leaves(state, is_tensor))
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP warns that it runs in a single process and about planner signatures; both are expected here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.checkpoint.*")
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch_xla\..*")
+        yield
+
+
+def _single_process() -> bool:
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def write_sharded(state: Any, target: Path, step: int | None) -> Manifest:
+    """Save ``state`` (synced) as the sharded checkpoint directory ``target``, committed by its manifest."""
+    import torch.distributed.checkpoint as dcp
+
+    tmp = temp_path(target)
+    os.mkdir(tmp)
+    try:
+        save_planner, _ = _xla.spmd_checkpoint_planners()
+        with _quiet_dcp():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=save_planner,
+                     no_dist=_single_process())
+        files = _hash_and_fsync(tmp)
+        fsync_dir(tmp)
+        if target.exists():  # a re-save of the same step: un-commit the old one before replacing it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(manifest_path(target))
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(target.parent)
+    v = environment.versions()
+    digest = hashlib.sha256("".join(f"{n} {s} {h}\n" for n, (s, h) in sorted(files.items())).encode()).hexdigest()
+    manifest = Manifest(
+        payload=target.name, weights_format=SHARDED, step=step, time=time.time(),
+        bytes=sum(size for size, _ in files.values()), sha256=digest, tpukit=__version__, torch=v.get("torch"),
+        torch_xla=v.get("torch_xla"), format_version=SHARDED_FORMAT_VERSION, files=files,
+    )
+    text = manifest.to_json()
+    atomic_write(manifest_path(target), lambda t: t.write_text(text))
+    return manifest
+
+
+def _hash_and_fsync(directory: Path) -> dict[str, list]:
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        with open(directory / name, "r+b") as f:
+            size, sha = hash_file(f)
+            os.fsync(f.fileno())
+        files[name] = [size, sha]
+    return files
+
+
+def verify_sharded(path: Path, manifest: Manifest) -> None:
+    """Check every file the manifest lists: present, same size, same sha256."""
+    for name, (size, sha) in sorted((manifest.files or {}).items()):
+        try:
+            with open(path / name, "rb") as f:
+                got = hash_file(f)
+        except FileNotFoundError:
+            raise CheckpointError(f"Sharded checkpoint {path} is missing {name}. Load an older checkpoint.") from None
+        if got != (size, sha):
+            raise CheckpointError(
+                f"Sharded checkpoint {path} is corrupt: {name} does not match its manifest (truncated or damaged "
+                "on disk). Load an older checkpoint."
+            )
+
+
+def read_sharded(path: Path, into: dict | None = None) -> Any:
+    """Load a verified sharded checkpoint.
+
+    With ``into`` (a dict shaped like the saved state, e.g. ``{"model":
+    model.state_dict()}`` whose tensors are sharded over the current mesh), the
+    values are loaded into it in place, each device reading only its own slices;
+    only its keys are read. Without, the whole state comes back as CPU tensors
+    (consolidated), without torch_xla.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(str(path))
+    with _quiet_dcp():
+        if into is None:
+            from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+            return _load_state_dict_from_keys(checkpoint_id=str(path))  # DCP's own full, single-process load
+        _, load_planner = _xla.spmd_checkpoint_planners()
+        dcp.load(into, storage_reader=reader, planner=load_planner, no_dist=_single_process())
+    return into
+
+
+def saved_keys(path: Path) -> set[str]:
+    """The top-level keys of the state saved in the sharded checkpoint ``path``."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    mappings = metadata.planner_data or {}
+    return {str(mappings[k][0]) if k in mappings else k.split(".")[0] for k in metadata.state_dict_metadata}
