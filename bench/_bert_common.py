@@ -9,7 +9,7 @@ writes its measurements as JSON to FILE.
 
 Not a test helper: nothing here is imported by tests.
 
-The BERT recipe at the compile floor (:func:`bert_mask`, :func:`bert_inputs`):
+The BERT recipe at the compile floor (:func:`bert_mask`, i.e. ``tpukit.data.bert_mask``, and :func:`bert_inputs`):
 transformers 5.x BERT turns the 2-D 0/1 ``attention_mask`` into the attention
 bias in ``masking_utils.create_bidirectional_mask``. For ``sdpa`` *and* for
 ``eager`` attention that goes through ``sdpa_mask`` with
@@ -182,18 +182,12 @@ def token_ids(tok, texts: list[str], max_length: int = MAX_LENGTH) -> list[list[
 # ------------------------------------------------------------------ the BERT recipe
 
 def bert_mask(attention_mask, dtype=None):
-    """The 2-D 0/1 padding mask as the 4-D additive mask transformers uses as-is.
-
-    Shape ``(batch, 1, 1, length)``: 0 where a token is attended, the smallest
-    value of ``dtype`` (default float32; pass ``model.dtype`` for a model cast
-    to bf16) where it is padding. Lazy elementwise ops on the mask's device, so
-    on an XLA device they join the step graph; nothing is read back.
-    """
+    """The 2-D 0/1 padding mask as the 4-D additive mask transformers uses as-is: the library's
+    ``tpukit.data.bert_mask`` (default float32; pass ``model.dtype`` for a model cast to bf16)."""
     import torch
+    from tpukit import data
 
-    dtype = dtype or torch.float32
-    keep = attention_mask[:, None, None, :].to(dtype)
-    return (1.0 - keep) * torch.finfo(dtype).min
+    return data.bert_mask(attention_mask, dtype or torch.float32)
 
 
 def bert_inputs(batch: dict, dtype=None) -> dict:

@@ -168,3 +168,45 @@ def test_advisor_bad_input():
         data.suggest_buckets(["a"], 4)
     with pytest.raises(data.DataError, match="compile_s"):
         data.evaluate_buckets([5], 4, [8], compile_s=-1)
+
+
+def _tiny_bert(attn: str):
+    """A 1-layer BERT classifier built from a config (no hub), in eval mode (no dropout)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=16, num_labels=2)
+    config._attn_implementation = attn
+    return BertForSequenceClassification(config).eval()
+
+
+def test_bert_mask_gives_the_same_logits_without_a_forced_read(rt):
+    import torch_xla
+
+    import tpukit
+
+    ids, mask = data.pad_to([[5, 6, 7, 8, 9], [10, 11]], 8)
+    m4 = data.bert_mask(mask)
+    assert m4.shape == (2, 1, 1, 8) and m4.dtype == torch.float32
+    assert m4[0, 0, 0, :5].eq(0).all() and m4[1, 0, 0, 2:].eq(torch.finfo(torch.float32).min).all()
+    assert data.bert_mask(mask, torch.bfloat16).dtype == torch.bfloat16
+    for attn in ("sdpa", "eager"):  # transformers turns a 2-D mask into this for both (with a .all() read)
+        model = _tiny_bert(attn)
+        with torch.no_grad():
+            assert torch.allclose(model(input_ids=ids, attention_mask=mask).logits,
+                                  model(input_ids=ids, attention_mask=m4).logits, atol=1e-6), attn
+
+    device = torch_xla.device()
+    model = _tiny_bert("sdpa").to(device)
+    ids, mask = ids.to(device), mask.to(device)
+    reads = {}
+    for name, make in (("2-D", lambda m: m), ("4-D", data.bert_mask)):
+        before = tpukit.snapshot()
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=make(mask)).logits
+        torch_xla.sync()
+        reads[name] = (tpukit.snapshot() - before).item_reads
+        logits.cpu()
+    # transformers 5.x reads padding_mask.all() mid-forward from a 2-D mask; the 4-D mask is used as it is.
+    assert reads == {"2-D": 1, "4-D": 0}, reads
