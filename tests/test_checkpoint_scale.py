@@ -1,0 +1,183 @@
+"""Checkpoints at scale on XLA:CPU: exact resume, streamed saves, preflight, sharded SPMD states.
+
+Fresh processes (tests/_ckpt_resume.py, tests/_ckpt_sharded.py) stand for the
+resuming run and for meshes of 2 and 4 virtual devices (the device count is fixed
+when the runtime starts). Mocked only: low host memory (a machine cannot be
+made short of memory on demand).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch_xla
+
+from tpukit import checkpoint as ck
+from tpukit import environment
+from tpukit.checkpoint import stream
+from tpukit.errors import CheckpointError, TpukitWarning
+
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))
+from _ckpt_sharded import loop_content  # noqa: E402
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CPU_NUM_DEVICES", "XLA_USE_SPMD", "PT_XLA_DEBUG"))}
+    return {**env, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(TESTS), **extra}
+
+
+def _run(*args: str, timeout: float = 240, **env: str) -> str:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=_env(**env))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+# --------------------------------------------------------------------------- exact resume
+
+def test_dropout_run_resumes_bit_exact_in_a_fresh_process_that_seeded_differently(tmp_path):
+    script = str(TESTS / "_ckpt_resume.py")
+    full = _run(script, str(tmp_path), "full").split("\n")
+    resumed = _run(script, str(tmp_path), "resume").split("\n")
+    losses = {int(line.split()[1]): line.split()[2] for line in full if line.startswith("loss")}
+    again = {int(line.split()[1]): line.split()[2] for line in resumed if line.startswith("loss")}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and sorted(again) == [4, 5, 6]
+    assert {s: losses[s] for s in (4, 5, 6)} == again  # exact: the floats' hex
+    assert len(set(losses.values())) == 6  # dropout and fresh batches: every step's loss differs
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_save_and_load_with_rng_restore_all_four_generators(tmp_path, suffix):
+    dev = torch_xla.device()
+    torch.ones(1, device=dev).sum().item()  # the XLA runtime has started, so its seed is part of the state
+    random.seed(1), np.random.seed(1), torch.manual_seed(1), torch_xla.manual_seed(1)
+    ck.save({"w": torch.ones(2, device=dev)}, tmp_path / f"c{suffix}", rng=True)
+    expected = (random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, device=dev).item())
+    random.seed(2), np.random.seed(2), torch.manual_seed(2), torch_xla.manual_seed(2)
+    state = ck.load(tmp_path / f"c{suffix}", rng=True)
+    assert set(state["rng_state"]) == {"python", "numpy", "torch", "xla"}
+    assert (random.random(), np.random.rand(), torch.rand(1).item(), torch.rand(1, device=dev).item()) == expected
+    with pytest.raises(CheckpointError, match="holds no generator states"):
+        ck.save({"w": torch.ones(2)}, tmp_path / f"plain{suffix}")
+        ck.load(tmp_path / f"plain{suffix}", rng=True)
+    with pytest.raises(CheckpointError, match="'rng_state' is the entry the manager stores"):
+        ck.CheckpointManager(tmp_path / "m").save(1, rng_state={})
+
+
+# --------------------------------------------------------------------------- streamed payloads
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_streamed_payload_keeps_ties_views_dtypes_and_reads_with_the_stock_loaders(tmp_path, suffix):
+    dev = torch_xla.device()
+    on_xla = torch.randn(6, 4, device=dev) * 2  # pending: the save computes it
+    cpu = torch.randn(5, 3)
+    state = {"xla": on_xla, "xla_again": on_xla, "cpu": cpu, "cpu_view": cpu[1:3], "same_view": cpu[1:3],
+             "half": torch.ones(3, dtype=torch.bfloat16), "empty": torch.zeros(0, 7), "flag": torch.tensor(True),
+             "nested": {"n": [torch.arange(4), 3, "x"]}}
+    ck.save(state, tmp_path / f"s{suffix}")
+    back = ck.load(tmp_path / f"s{suffix}")
+    for key in ("cpu", "cpu_view", "same_view", "half", "empty", "flag"):
+        assert back[key].dtype == state[key].dtype and torch.equal(back[key], state[key]), key
+    assert torch.equal(back["xla"], on_xla.cpu()) and back["xla_again"] is back["xla"]  # tied stays tied
+    assert torch.equal(back["nested"]["n"][0], torch.arange(4)) and back["nested"]["n"][1:] == [3, "x"]
+    if suffix == ".pt":  # an ordinary torch.save archive
+        stock = torch.load(tmp_path / "s.pt", weights_only=True)
+        assert torch.equal(stock["cpu_view"], cpu[1:3]) and stock["xla"] is stock["xla_again"]
+    else:
+        from safetensors.torch import load_file
+
+        stock = load_file(tmp_path / "s.safetensors")
+        assert torch.equal(stock["xla"], on_xla.cpu()) and torch.equal(stock["cpu_view"], cpu[1:3])
+
+
+def test_payload_bytes_count_each_distinct_tensor_once():
+    a = torch.zeros(10, 10)
+    total, largest = stream.payload_bytes({"a": a, "tied": a, "view": a[0], "b": torch.zeros(3, dtype=torch.int64)})
+    assert total == 400 + 40 + 24 and largest == 400
+
+
+def test_low_host_memory_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    ck.save({"w": torch.ones(3)}, tmp_path / "c.pt")
+    monkeypatch.setattr(environment, "available_memory", lambda: 1000)  # simulated: 1000 bytes available
+    with pytest.raises(CheckpointError, match=r"Not enough host memory to save c.pt: its largest tensor takes "
+                                              r"4\.0 MiB on the host .* Nothing was written"):
+        ck.save({"w": torch.zeros(1 << 20)}, tmp_path / "c.pt")
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == ["c.json", "c.pt"] and torch.equal(ck.load(tmp_path / "c.pt")["w"], torch.ones(3))
+
+
+# --------------------------------------------------------------------------- sharded SPMD states
+
+@pytest.mark.parametrize("saved_on, restored_on", [(2, 4), (4, 2)])
+def test_sharded_checkpoint_restores_into_another_mesh_and_whole_on_plain_cpu(tmp_path, saved_on, restored_on):
+    script = str(TESTS / "_ckpt_sharded.py")
+    saved = json.loads(_run(script, "save", str(tmp_path), CPU_NUM_DEVICES=str(saved_on)).splitlines()[-1])
+    assert saved["devices"] == saved_on
+    assert saved["chunks"]["model.0.weight"] == saved_on  # written shard by shard, never gathered
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000002.dcp", "ckpt-00000002.json"]
+    manifest = json.loads((tmp_path / "ckpt-00000002.json").read_text())
+    assert manifest["weights_format"] == "dcp" and sorted(manifest["files"]) == [".metadata", "__0_0.distcp"]
+
+    restored = json.loads(_run(script, "load", str(tmp_path), CPU_NUM_DEVICES=str(restored_on)).splitlines()[-1])
+    assert restored["devices"] == restored_on and restored["step"] == 2
+    assert restored["specs"]["0.weight"] == f"{{devices=[{restored_on},1]{','.join(map(str, range(restored_on)))}}}"
+    assert restored["model"] == saved["model"] and restored["optimizer"] == saved["optimizer"]  # identical bytes
+
+    plain = json.loads(_run(script, "plain", str(tmp_path)).splitlines()[-1])
+    assert plain["torch_xla_loaded"] is False and set(plain["devices"]) == {"cpu"}
+    assert plain["step"] == 2 and plain["model"] == saved["model"] and plain["optimizer"] == saved["optimizer"]
+
+
+def test_damaged_shard_file_is_skipped_for_the_previous_checkpoint(tmp_path):
+    _run(str(TESTS / "_ckpt_sharded.py"), "save", str(tmp_path), CPU_NUM_DEVICES="2")
+    ck.save({"step": 1, "note": "older"}, tmp_path / "ckpt-00000001.pt")
+    shard = tmp_path / "ckpt-00000002.dcp" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp does not match its manifest"):
+        ck.verify(tmp_path / "ckpt-00000002.dcp")
+    with pytest.warns(TpukitWarning, match="Skipping checkpoint step 2"):
+        assert ck.load(tmp_path)["note"] == "older"
+
+
+def test_sigkill_during_sharded_saves_leaves_the_previous_checkpoint_loadable(tmp_path):
+    kills, seed = 4, random.randrange(1 << 30)
+    rng = random.Random(seed)
+    seen_partial = 0
+    for _ in range(kills):
+        child = subprocess.Popen([sys.executable, str(TESTS / "_ckpt_sharded.py"), "loop", str(tmp_path)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                 env=_env(CPU_NUM_DEVICES="2"))
+        try:
+            target, started = rng.randint(1, 3), 0  # let a few saves through, then kill one mid-way
+            while started < target:
+                line = child.stdout.readline()
+                assert line, f"seed {seed}: the saver died"
+                started += line.startswith("saving")
+            time.sleep(rng.uniform(0.01, 0.08))  # a save takes about 0.1 s here
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        names = os.listdir(tmp_path)
+        seen_partial += any(n.startswith(".tmp-") for n in names) or any(
+            n.endswith(".dcp") and n[:-4] + ".json" not in names for n in names)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", TpukitWarning)  # nothing committed may be damaged
+            mgr = ck.CheckpointManager(tmp_path, keep=3)  # removes the dead saver's temporary directory
+            assert not any(n.startswith(".tmp-") for n in os.listdir(tmp_path))
+            for step in mgr.all_steps():
+                assert torch.equal(ck.load(tmp_path / f"ckpt-{step:08d}.dcp")["w"], loop_content(step)), (seed, step)
+    assert mgr.latest_step() is not None and mgr.latest_step() >= kills, seed
+    assert seen_partial >= 1, f"seed {seed}: no kill landed inside a save"
