@@ -18,10 +18,19 @@ Python RNG states); modules, optimizers and other objects are not.
 torch_xla is touched only when the state holds XLA tensors (or a load targets an
 XLA device), so checkpoints load on plain CPU PyTorch.
 
+At scale: saves stream tensor by tensor (extra host memory near the largest
+tensor), a preflight refuses a save the disk or host memory cannot hold before
+anything is written, ``CheckpointManager`` keeps the generator states so a resumed
+run draws the same random numbers, and SPMD-sharded states are saved shard by
+shard as a ``torch.distributed.checkpoint`` directory committed by the same kind
+of manifest, restorable into any mesh or whole on the CPU.
+
 Modules, bottom to top: ``files`` (atomic writes, the sha256 loop, temp names),
-``format`` (the manifest, checkpoint file names), ``payload`` (torch/safetensors
-payloads and the up-front state check), ``saveload`` (save, load, verify, the CPU
-copy), ``manager`` (CheckpointManager) and ``export`` (export_pretrained).
+``format`` (the manifest, checkpoint file names), ``stream`` (payloads written
+tensor by tensor), ``payload`` (the payload formats and the up-front state check),
+``rng`` (generator states), ``sharded`` (sharded checkpoint directories),
+``saveload`` (save, load, verify, the preflight), ``manager`` (CheckpointManager)
+and ``export`` (export_pretrained).
 """
 
 from .export import export_pretrained
