@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .frames import Frame
 from .graphs import Graph, diff
 
 NEW, EXPECTED, RECOMPILATION = "new graph", "expected", "recompilation"
@@ -80,6 +81,23 @@ def _declared(old: Signature | None, new: Signature | None, shapes: frozenset) -
 FORCED_HINT = ("a tensor value was read before the step's sync (.item(), print, .cpu() or Python control flow "
                "on a tensor): it cuts the step in two graphs and waits for the device; log it with tpukit.log() "
                "or read it after the step")
+# Reads inside libraries whose remedy is known, by the file that reads (Frame.package_path).
+KNOWN_READS = {
+    "transformers/masking_utils.py": ("it checks the 2-D attention mask for padding (mask.all()): pass the mask "
+                                      "in 4-D, tpukit.data.bert_mask(mask), which transformers uses as it is"),
+}
+
+
+def forced_hint(read_at: Frame | None) -> str:
+    """The hint for a forced read: the user's own (:data:`FORCED_HINT`), or one inside a library
+    (``read_at``: the library's line), with the remedy when :data:`KNOWN_READS` knows it."""
+    if read_at is None:
+        return FORCED_HINT
+    path = read_at.package_path or read_at.filename
+    lib = path.split("/", 1)[0] if read_at.package_path else "the library"
+    remedy = KNOWN_READS.get(path, f"look for an argument or setting of {lib} that spares the read")
+    return (f"{lib} reads the value in its own code, during your call: it cuts the step in two graphs and "
+            f"makes the host wait for the device; {remedy}")
 
 
 def _hint(evidence: list[str], from_batch: bool) -> str:

@@ -82,6 +82,16 @@ class CompileEvent:
         return str(f) if f else "unknown location"
 
     @property
+    def read_frame(self) -> Frame | None:
+        """For a forced read inside an installed library (transformers checking a mask's values):
+        the library's line that read the value, the innermost frame outside torch, torch_xla and
+        tpukit. None when the read is on the user's own line (``where``) or the compile not forced."""
+        if not self.forced:
+            return None
+        f = next((f for f in self.frames if not f.is_machinery), None)
+        return f if f is not None and f.is_library and f != self.user_frame else None
+
+    @property
     def cut(self) -> str:
         """What cut the graph: "step" (a sync), "loader sync" (torch_xla's device loader),
         "forced read", "torch_xla.compile" (a compiled function, or the flush before it),
@@ -101,9 +111,13 @@ class CompileEvent:
 
     @property
     def name(self) -> str:
-        """A name a person recognizes: ``step graph at cell [4] line 9 (312 ops, 12 -> 9)``."""
+        """A name a person recognizes: ``step graph at cell [4] line 9 (312 ops, 12 -> 9)``; a read
+        in a library is named at its line, then the user's: ``forced read graph at
+        transformers/masking_utils.py:369 in _ignore_bidirectional_mask_sdpa, called from cell [4] line 9``."""
         size = f" ({self.graph.size})" if self.graph is not None else f" ({self.inputs} -> {self.outputs})"
-        return f"{self.cut} graph at {self.where}{size}"
+        read = self.read_frame
+        at = f"{read}, called from {self.where}" if read is not None else self.where
+        return f"{self.cut} graph at {at}{size}"
 
     @property
     def label(self) -> str:
@@ -290,11 +304,12 @@ class CompileLog:
             graph = self._graph_of.get(i)
             if graph is None and self.hlo.path and now - self._ended_at.setdefault(i, now) < 2.0:
                 continue  # its HLO file may still be on its way
-            user = ev.user_frames
+            user, read = ev.user_frames, ev.read_frame
             place = (ev.cut,) + (tuple((f.filename, f.line) for f in (user or ev.frames)) or ("<unknown>",))
+            place += ((read.filename, read.line),) if read is not None else ()
             found = self.classifier.classify(place, graph, self._event_inputs.pop(i, None),
                                              (ev.inputs, ev.outputs), self.declared)
-            hint = classify.FORCED_HINT if ev.forced and found.kind == classify.NEW else found.hint
+            hint = classify.forced_hint(read) if ev.forced and found.kind == classify.NEW else found.hint
             new = dataclasses.replace(ev, kind=found.kind, evidence=found.evidence, hint=hint, graph=graph,
                                       recompilation=found.kind == classify.RECOMPILATION)
             self._events[i] = new

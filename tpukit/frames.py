@@ -47,10 +47,18 @@ class Frame:
         f = self.filename
         return not self.cell and (any(p in f for p in _MACHINERY_PARTS) or f.startswith(_LIB_ROOTS))
 
+    @property
+    def package_path(self) -> str | None:
+        """``transformers/masking_utils.py`` for a file of an installed package; None otherwise."""
+        for part in _HIDDEN_PARTS[:2]:
+            if not self.cell and part in self.filename:
+                return self.filename.rsplit(part, 1)[1]
+        return None
+
     def __str__(self) -> str:
         if self.cell:
             return f"cell {self.cell} line {self.line}"
-        return f"{os.path.basename(self.filename)}:{self.line} in {self.function}"
+        return f"{self.package_path or os.path.basename(self.filename)}:{self.line} in {self.function}"
 
 
 def parse_block(lines: list[str]) -> dict:
