@@ -4,6 +4,8 @@
   python _ckpt_sharded.py load DIR    build the same model sharded over N devices, restore, report
   python _ckpt_sharded.py plain DIR   torch_xla blocked: load the newest checkpoint whole on the CPU
   python _ckpt_sharded.py loop DIR    save sharded checkpoints of a step-valued state forever (SIGKILL test)
+  python _ckpt_sharded.py group DIR   one of WORLD_SIZE processes (a gloo group, like the hosts of a slice):
+                                      each runs its own SPMD program and all save one checkpoint together
 
 save/load/plain print one JSON line: the device count, sha256 digests of every
 model and optimizer tensor, and (save, load) the shardings and the number of
@@ -129,5 +131,25 @@ def loop(directory: str) -> None:
         step += 1
 
 
+def group(directory: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch_xla
+
+    from tpukit.checkpoint import CheckpointManager
+
+    dist.init_process_group("gloo")  # MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE from the environment
+    n, _, model = _spmd_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2)
+    torch_xla.sync()
+    mgr = CheckpointManager(directory)
+    mgr.save(3, model=model.state_dict())
+    print(json.dumps({"rank": dist.get_rank(), "devices": n, "model": digests(model.state_dict()),
+                      "files": sorted(os.listdir(directory))}))
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    {"save": save, "load": load, "plain": plain, "loop": loop}[sys.argv[1]](sys.argv[2])
+    {"save": save, "load": load, "plain": plain, "loop": loop, "group": group}[sys.argv[1]](sys.argv[2])

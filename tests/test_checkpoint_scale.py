@@ -30,7 +30,7 @@ from tpukit.errors import CheckpointError, TpukitWarning
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
-from _ckpt_sharded import loop_content  # noqa: E402
+from _ckpt_sharded import digests, loop_content  # noqa: E402
 
 
 def _env(**extra: str) -> dict:
@@ -181,3 +181,29 @@ def test_sigkill_during_sharded_saves_leaves_the_previous_checkpoint_loadable(tm
                 assert torch.equal(ck.load(tmp_path / f"ckpt-{step:08d}.dcp")["w"], loop_content(step)), (seed, step)
     assert mgr.latest_step() is not None and mgr.latest_step() >= kills, seed
     assert seen_partial >= 1, f"seed {seed}: no kill landed inside a save"
+
+
+def test_processes_of_a_group_save_one_sharded_checkpoint_committed_once(tmp_path):
+    # Two processes in a gloo group stand for two hosts of a slice; each runs its own SPMD
+    # program over 2 virtual devices (XLA:CPU has no cross-process collectives, DCP's
+    # coordination goes through the gloo group).
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(TESTS / "_ckpt_sharded.py"), "group", str(tmp_path)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_env(CPU_NUM_DEVICES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                                       RANK=str(rank), WORLD_SIZE="2"))
+             for rank in (0, 1)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err[-2000:] for _, err in outs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert [r["rank"] for r in results] == [0, 1]
+    # both returned only after the commit: each saw the committed checkpoint and no temporary directory
+    assert all(r["files"] == ["ckpt-00000003.dcp", "ckpt-00000003.json"] for r in results)
+    manifest = json.loads((tmp_path / "ckpt-00000003.json").read_text())
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file per process
+    whole = ck.load(tmp_path)
+    assert whole["step"] == 3 and digests(whole["model"]) == results[0]["model"]

@@ -27,7 +27,7 @@ from .format import (
 from .payload import check_state
 from .rng import RNG_KEY, rng_state, set_rng_state
 from .sharded import SHARDED, has_sharded_tensors, saved_keys
-from .saveload import commit, is_master, newest_valid, sync_state, to_cpu
+from .saveload import collective, commit, is_master, newest_valid, sync_state, to_cpu
 
 log = logging.getLogger("tpukit")
 
@@ -106,7 +106,7 @@ class CheckpointManager:
         background = self.async_save and fmt != SHARDED
         cpu_state = to_cpu(state, copy=True, master=master) if background else state
         self.wait()
-        if not master:
+        if not master and not collective(fmt):
             return True
         newest = self.all_steps()
         if newest and newest[-1] > step:
@@ -126,8 +126,8 @@ class CheckpointManager:
 
     def _write(self, step: int, cpu_state: Any, fmt: str) -> None:
         payload = self.directory / checkpoint_name(step, SUFFIX[fmt])
-        commit(cpu_state, payload, fmt, step)
-        self._prune(step)
+        if commit(cpu_state, payload, fmt, step) is not None:  # the process that committed it prunes
+            self._prune(step)
 
     def _background(self, step: int, cpu_state: Any, fmt: str) -> None:
         try:

@@ -37,7 +37,7 @@ from .format import (
 )
 from .payload import check_state, read_payload, write_payload
 from .rng import RNG_KEY, rng_state, set_rng_state
-from .sharded import SHARDED, read_sharded, verify_sharded, write_sharded
+from .sharded import SHARDED, process_group, read_sharded, verify_sharded, write_sharded
 from .stream import payload_bytes
 
 log = logging.getLogger("tpukit")
@@ -126,11 +126,13 @@ def _write_error(target: Path, exc: OSError) -> CheckpointError:
     )
 
 
-def commit(state: Any, payload: Path, weights_format: str, step: int | None) -> Manifest:
+def commit(state: Any, payload: Path, weights_format: str, step: int | None) -> Manifest | None:
     """Write payload then manifest, both atomically; the manifest commits the checkpoint.
 
     ``state`` is synced (``sync_state``) or on the CPU; its tensors are copied to
-    the host and written one at a time after a disk and memory preflight.
+    the host and written one at a time after a disk and memory preflight. A
+    sharded save with a process group is collective: every process calls it and
+    only the committing one gets the manifest (the others None).
     """
     preflight(state, payload)
     try:
@@ -147,7 +149,8 @@ def commit(state: Any, payload: Path, weights_format: str, step: int | None) -> 
             atomic_write(manifest_path(payload), lambda tmp: tmp.write_text(text))
     except OSError as exc:
         raise _write_error(payload, exc) from exc
-    log.info("checkpoint saved: %s (%d bytes, step %s)", payload, manifest.bytes, step)
+    if manifest is not None:
+        log.info("checkpoint saved: %s (%d bytes, step %s)", payload, manifest.bytes, step)
     return manifest
 
 
@@ -198,7 +201,12 @@ def save(
     sync_state(state)
     if rng:  # read after the sync, which advances the XLA seed
         state = {**state, RNG_KEY: rng_state()}
-    return commit(state, path, fmt, step) if master else None
+    return commit(state, path, fmt, step) if master or collective(fmt) else None
+
+
+def collective(weights_format: str) -> bool:
+    """True when every process takes part in writing (a sharded save under a process group)."""
+    return weights_format == SHARDED and process_group() is not None
 
 
 def _manifest_owner(path: Path) -> str | None:

@@ -50,33 +50,57 @@ def _quiet_dcp():
         yield
 
 
-def _single_process() -> bool:
+def process_group() -> Any:
+    """``torch.distributed`` when several processes (hosts) save together, else None."""
     import torch.distributed as dist
 
-    return not (dist.is_available() and dist.is_initialized())
+    return dist if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 else None
 
 
-def write_sharded(state: Any, target: Path, step: int | None) -> Manifest:
-    """Save ``state`` (synced) as the sharded checkpoint directory ``target``, committed by its manifest."""
+def write_sharded(state: Any, target: Path, step: int | None) -> Manifest | None:
+    """Save ``state`` (synced) as the sharded checkpoint directory ``target``, committed by its manifest.
+
+    With a ``torch.distributed`` process group (one process per host), every
+    process must call it: each writes its own shards into one temporary
+    directory (named by rank 0) and rank 0 alone commits, after all have written.
+    Returns the manifest on the committing process, None on the others.
+    """
     import torch.distributed.checkpoint as dcp
 
-    tmp = temp_path(target)
-    os.mkdir(tmp)
+    group = process_group()
+    coordinator = group is None or group.get_rank() == 0
+    names = [temp_path(target).name if coordinator else None]
+    if group is not None:
+        group.broadcast_object_list(names, src=0)
+    tmp = target.parent / names[0]
+    if coordinator:
+        os.mkdir(tmp)
     try:
+        if group is not None:
+            group.barrier()
         save_planner, _ = _xla.spmd_checkpoint_planners()
-        with _quiet_dcp():
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=save_planner,
-                     no_dist=_single_process())
-        files = _hash_and_fsync(tmp)
-        fsync_dir(tmp)
-        if target.exists():  # a re-save of the same step: un-commit the old one before replacing it
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(manifest_path(target))
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        with _quiet_dcp():  # collective across the group: raises on every process if one fails
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=save_planner, no_dist=group is None)
+        manifest = _commit(tmp, target, step) if coordinator else None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if coordinator:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if group is not None:
+            group.barrier()  # nobody returns before the checkpoint is committed (or abandoned)
+    return manifest
+
+
+def _commit(tmp: Path, target: Path, step: int | None) -> Manifest:
+    """Hash and fsync the written files, rename the directory into place, then write the manifest."""
+    files = _hash_and_fsync(tmp)
+    fsync_dir(tmp)
+    if target.exists():  # a re-save of the same step: un-commit the old one before replacing it
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(manifest_path(target))
+        shutil.rmtree(target)
+    os.replace(tmp, target)
     fsync_dir(target.parent)
     v = environment.versions()
     digest = hashlib.sha256("".join(f"{n} {s} {h}\n" for n, (s, h) in sorted(files.items())).encode()).hexdigest()
@@ -133,7 +157,7 @@ def read_sharded(path: Path, into: dict | None = None) -> Any:
 
             return _load_state_dict_from_keys(checkpoint_id=str(path))  # DCP's own full, single-process load
         _, load_planner = _xla.spmd_checkpoint_planners()
-        dcp.load(into, storage_reader=reader, planner=load_planner, no_dist=_single_process())
+        dcp.load(into, storage_reader=reader, planner=load_planner, no_dist=process_group() is None)
     return into
 
 
