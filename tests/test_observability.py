@@ -1,6 +1,8 @@
 """Metrics snapshots, compile events, step closures and guards on XLA:CPU (issue: core observability)."""
 
 import inspect
+import json
+import re
 import threading
 import time
 
@@ -352,3 +354,39 @@ def test_eager_mode_per_op_compiles_are_counted():
     assert out.returncode == 0, out.stderr
     compiled, timed, executed = out.stdout.split("EAGER ", 1)[1].split()
     assert int(compiled) >= 3 and timed == "True" and int(executed) >= 3  # randn, mm, tanh, sum: one graph each
+
+
+def test_eager_mode_compiles_are_counted_per_step_and_reported_as_not_attributed():
+    """Eager mode's per-op compiles have no compile analysis to attribute (torch_xla skips eager ops in its
+    debug output): the step records, the summary, the dashboard and %%xla count them exactly, say so and why."""
+    out = run_python(
+        "import json, tpukit\nrt = tpukit.setup(device='cpu')\nimport torch\n"
+        "import torch_xla.debug.metrics as met\nfrom torch_xla.experimental import eager_mode\n"
+        "count = lambda: (met.metric_data('EagerOpCompileTime') or (0,))[0]\n"
+        "w = torch.randn(8, 5).to(rt.device)\n"  # device data: nothing pending for the loop's first sync
+        "eager_mode(True)\nn0 = count()\n"
+        "tracker = tpukit.track([torch.randn(4, 8) for _ in range(3)], progress=False, dashboard=True)\n"
+        "for x in tracker:\n    y = torch.tanh(x @ w).sum()\n"
+        "n1 = count()\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "shell = InteractiveShell.instance()\nshell.run_line_magic('load_ext', 'tpukit')\n"
+        "shell.push({'torch': torch, 'rt': rt})\n"
+        "shell.run_cell('%%xla\\nz = torch.relu(torch.randn(3, 7, device=rt.device)).sum()\\n')\n"
+        "eager_mode(False)\ns = tracker.summary()\n"
+        "from tpukit.widgets import render\n"
+        "rows = dict(render.counter_rows(tracker.dashboard.state.view()))\n"
+        "print('RESULT', json.dumps({'metric': n1 - n0, 'steps': [[r.compiles, r.eager_compiles, len(r.compile_events)]"
+        " for r in tracker.history], 'eager': s['eager_compiles'], 'note': s['eager_note'], 'rows': rows}))\n",
+        env={"PJRT_DEVICE": "CPU", "TPUKIT_DASHBOARD": "text"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.split("RESULT ", 1)[1])
+    first = r["steps"][0][0]
+    assert first >= 3 and r["metric"] == first == r["eager"], r  # mm, tanh, sum: one graph each, all eager
+    assert r["steps"] == [[first, first, 0], [0, 0, 0], [0, 0, 0]], r  # the same ops again: cached
+    assert r["note"] == f"{first} of the compiles: {compiles.EAGER_NOT_ATTRIBUTED}", r
+    assert "not attributed to a line" in r["note"] and "no compilation analysis" in r["note"]
+    assert r["rows"]["compiles"].startswith(f"{first} (") and r["rows"]["eager-mode ops"].startswith(
+        f"{first} compiled one by one: counted, not attributed to a line"), r["rows"]  # the dashboard
+    report = out.stdout.split("RESULT ", 1)[0]
+    assert re.search(r"%%xla: \d+ compiles? \([\d.]+ s, \d+ eager-mode ops?\)", report), report
+    assert f": {compiles.EAGER_NOT_ATTRIBUTED})" in report, report

@@ -175,6 +175,9 @@ def _cell_event_lines(events: list, sync_from: int, number: int, delta: Any) -> 
             hints.add(ev.hint)
     if not lines and delta.compiles and not compiles.tracing_enabled():
         lines.append(f"  ({_NO_TRACING})")
+    eager = getattr(delta, "eager_compiles", 0)  # a metrics.Delta has it
+    if eager:
+        lines.append(f"  ({plural(eager, 'compile')}: {compiles.EAGER_NOT_ATTRIBUTED})")
     return lines
 
 
@@ -340,6 +343,8 @@ class Watch:
                 text += f" (+{len(rest)} more: {counts})"
         elif delta.compiles and not compiles.tracing_enabled():
             text += " — causes unavailable (compile tracing is off)"
+        elif delta.eager_compiles:
+            text += " — not attributed: torch_xla writes no compilation analysis for eager-mode ops"
         return text
 
     def _fail(self, exc: Exception) -> None:

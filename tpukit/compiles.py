@@ -26,6 +26,9 @@ PENDING = "compile"  # kind of an event not classified yet (still compiling)
 _LABELS = {classify.NEW: "new graph", classify.EXPECTED: "expected compile",
            classify.RECOMPILATION: "recompilation", PENDING: "compile"}
 FORCED_CAUSE = "access tensor value"
+# Why eager mode's compiles have no events: torch_xla's debug output returns early for them.
+EAGER_NOT_ATTRIBUTED = ("eager mode compiles op by op: counted per op, not attributed to a line, because "
+                        "torch_xla writes no compilation analysis for eager-mode ops (no cause, graph or frame)")
 @dataclass(frozen=True)
 class CompileEvent:
     """One graph compilation: when, why, which graph, and the code that triggered it."""

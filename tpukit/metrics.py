@@ -35,7 +35,8 @@ def _counter(name: str) -> int:
 class Counts:
     """The counters a Snapshot holds and a Delta differences (times in seconds)."""
 
-    compiles: int = 0  # uncached: a new graph was compiled
+    compiles: int = 0  # uncached: a new graph was compiled (eager mode's per-op compiles included)
+    eager_compiles: int = 0  # of those, single ops compiled by eager mode (no cause or line known)
     cached_compiles: int = 0  # graph found in the in-memory cache
     compile_time: float = 0.0
     executions: int = 0
@@ -85,7 +86,8 @@ class Delta(Counts):
 
 def summary_line(d: Delta) -> str:
     """``2 compiles (1.4 s) · 5 executions (0.3 s) · 1 device->host transfer · CPU fallbacks: aten::nonzero x3``."""
-    parts = [f"{plural(d.compiles, 'compile')} ({d.compile_time:.1f} s)"]
+    eager = f", {plural(d.eager_compiles, 'eager-mode op')}" if d.eager_compiles else ""
+    parts = [f"{plural(d.compiles, 'compile')} ({d.compile_time:.1f} s{eager})"]
     if d.cached_compiles:
         parts.append(f"{d.cached_compiles} cached")
     parts.append(f"{plural(d.executions, 'execution')} ({d.execute_time:.1f} s)")
@@ -126,6 +128,7 @@ def snapshot_and_executions(memory: bool = False) -> tuple[Snapshot, list[tuple[
     snap = Snapshot(
         time=time.time(),
         compiles=_counter("UncachedCompile"),
+        eager_compiles=ec_n,
         cached_compiles=_counter("CachedCompile"),
         compile_time=c_t + ec_t,
         executions=sum(int(d[0]) for d in execs if d),
@@ -173,6 +176,8 @@ def table(d: Snapshot | Delta, full: bool = False) -> list[tuple[str, str]]:
         (".item() reads", str(d.item_reads)),
         ("syncs (MarkStep)", str(d.syncs)),
     ]
+    if full or d.eager_compiles:  # counted per op; torch_xla writes no analysis to attribute them
+        rows.insert(1, ("of them eager-mode ops", str(d.eager_compiles)))
     if full or d.cache_hits or d.cache_misses:
         rows.append(("persistent cache hits / misses", f"{d.cache_hits} / {d.cache_misses}"))
     for name, n in sorted(d.fallbacks.items()):

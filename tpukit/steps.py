@@ -33,6 +33,7 @@ class StepRecord:
     start: float
     end: float
     compiles: int = 0
+    eager_compiles: int = 0  # of those, eager mode's per-op ones (no events: compiles.EAGER_NOT_ATTRIBUTED)
     compile_time: float = 0.0
     executions: int = 0
     execute_time: float = 0.0
@@ -99,6 +100,7 @@ class Clock:
         self.events_seen = n
         self.step += 1
         rec = StepRecord(step=self.step, start=self.last_time, end=now_snap.time, compiles=d.compiles,
+                         eager_compiles=d.eager_compiles,
                          compile_time=d.compile_time, executions=d.executions, execute_time=d.execute_time,
                          to_host=d.to_host, item_reads=d.item_reads, scalars=scalars,
                          batch_size=batch_size, compile_events=events_, fallbacks=d.fallbacks,

@@ -90,6 +90,7 @@ class View:
     settled_after: int | None = None
     tracked: bool = False        # a tracked loop fed this dashboard (warm-up and verdict are known)
     loop_done: bool = False      # ... and it has ended
+    eager_compiles: int = 0      # of ``compiles``: eager mode's per-op compiles (counted, not attributed)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ class DashboardState:
         self._last_x = 0
         self._x_end: float | None = None
         self._sums = {"compiles": 0, "compile_time": 0.0, "executions": 0, "execute_time": 0.0,
-                      "to_host": 0, "item_reads": 0}
+                      "to_host": 0, "item_reads": 0, "eager_compiles": 0}
         self._fallbacks: dict[str, int] = {}
         self._max_event = -1
         self._n_events = 0
@@ -205,6 +206,7 @@ class DashboardState:
                 self._steady.append(wall)
             s = self._sums
             s["compiles"] += rec.compiles
+            s["eager_compiles"] += getattr(rec, "eager_compiles", 0)
             s["compile_time"] += rec.compile_time
             s["executions"] += rec.executions
             s["execute_time"] += rec.execute_time
@@ -376,7 +378,7 @@ class DashboardState:
                     scalars=scalars, now=text, now_kind=kind, alerts=alerts,
                     alerts_total=counts[RECOMPILATION], note=note, new_graphs=counts[NEW],
                     expected=counts[EXPECTED], graphs=graphs, verdict=verdict, settled_after=settled,
-                    tracked=tracked, loop_done=loop_done)
+                    tracked=tracked, loop_done=loop_done, eager_compiles=s["eager_compiles"])
 
     def timeline(self) -> Timeline:
         """Copies of the per-step columns and scalar curves for the plot."""

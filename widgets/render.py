@@ -87,6 +87,9 @@ def counter_rows(v: View) -> list[tuple[str, str]]:
             ("recompilations", str(v.recompilations)),
             ("new graphs", str(v.new_graphs)),
             ("expected compiles", str(v.expected))]
+    if v.eager_compiles:  # no events to classify: torch_xla writes no analysis for eager-mode ops
+        rows.append(("eager-mode ops", f"{v.eager_compiles} compiled one by one: counted, not attributed to a "
+                                       "line (torch_xla writes no compilation analysis for eager ops)"))
     warmup = warmup_text(v)
     if warmup:
         rows.append(("warm-up", warmup))
