@@ -134,6 +134,6 @@ def test_in_a_notebook_cell_the_read_is_called_from_the_cells_line():
     names = ast.literal_eval(next(ln[6:] for ln in out.stdout.splitlines() if ln.startswith("NAMES ")))
     function, line = _read_line()
     assert len(names) == 2, names  # transformers' read, then the cell's own .cpu() of the result
-    assert names[0].startswith(f"forced read graph at {MASK_FILE}:{line} in {function}, called from cell [2] line 3 ("), \
-        names
+    read_at = f"{MASK_FILE}:{line} in {function}"
+    assert names[0].startswith(f"forced read graph at {read_at}, called from cell [2] line 3 ("), names
     assert names[1].startswith("forced read graph at cell [2] line 4 ("), names
