@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -91,9 +92,11 @@ def test_streamed_payload_keeps_ties_views_dtypes_and_reads_with_the_stock_loade
         assert back[key].dtype == state[key].dtype and torch.equal(back[key], state[key]), key
     assert torch.equal(back["xla"], on_xla.cpu()) and back["xla_again"] is back["xla"]  # tied stays tied
     assert torch.equal(back["nested"]["n"][0], torch.arange(4)) and back["nested"]["n"][1:] == [3, "x"]
-    if suffix == ".pt":  # an ordinary torch.save archive
+    if suffix == ".pt":  # an ordinary torch.save archive, a valid zip (every record's CRC-32 right)
         stock = torch.load(tmp_path / "s.pt", weights_only=True)
         assert torch.equal(stock["cpu_view"], cpu[1:3]) and stock["xla"] is stock["xla_again"]
+        with zipfile.ZipFile(tmp_path / "s.pt") as archive:
+            assert archive.testzip() is None
     else:
         from safetensors.torch import load_file
 
@@ -101,10 +104,22 @@ def test_streamed_payload_keeps_ties_views_dtypes_and_reads_with_the_stock_loade
         assert torch.equal(stock["xla"], on_xla.cpu()) and torch.equal(stock["cpu_view"], cpu[1:3])
 
 
-def test_payload_bytes_count_each_distinct_tensor_once():
+def test_payload_bytes_count_each_distinct_tensor_once_and_a_device_copy_twice():
     a = torch.zeros(10, 10)
-    total, largest = stream.payload_bytes({"a": a, "tied": a, "view": a[0], "b": torch.zeros(3, dtype=torch.int64)})
-    assert total == 400 + 40 + 24 and largest == 400
+    total, peak = stream.payload_bytes({"a": a, "tied": a, "view": a[0], "b": torch.zeros(3, dtype=torch.int64)})
+    assert total == 400 + 40 + 24 and peak == 400
+    on_xla = torch.zeros(300, device=torch_xla.device())
+    assert stream.payload_bytes({"a": a, "x": on_xla, "again": on_xla}) == (400 + 1200, 2400)
+
+
+def test_manifest_hash_computed_while_writing_matches_the_bytes_on_disk(tmp_path):
+    import hashlib
+
+    state = {"w": torch.randn(300, 70, device=torch_xla.device()), "b": torch.arange(5), "cfg": {"lr": 0.1}}
+    for name in ("h.pt", "k.safetensors"):
+        manifest = ck.save(state, tmp_path / name)
+        data = (tmp_path / name).read_bytes()
+        assert (manifest.bytes, manifest.sha256) == (len(data), hashlib.sha256(data).hexdigest())
 
 
 def test_low_host_memory_is_refused_before_anything_is_written(tmp_path, monkeypatch):

@@ -37,18 +37,23 @@ def hash_file(f: IO[bytes]) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def atomic_write(target: Path, write: Callable[[Path], None]) -> tuple[int, str]:
+def atomic_write(target: Path, write: Callable[[Path], Any]) -> tuple[int, str]:
     """Write ``target`` through a temp file in its directory: write, fsync, rename, fsync the directory.
 
-    Returns the byte size and sha256 of what was written. On any failure the temp
-    file is removed and ``target`` is untouched.
+    Returns the byte size and sha256 of what was written. ``write(tmp)`` may return
+    them itself, having hashed the bytes as it wrote them and fsynced the file
+    (the streamed payloads do, saving a read-back); otherwise the file is read back
+    to hash it. On any failure the temp file is removed and ``target`` is untouched.
     """
     tmp = temp_path(target)
     try:
-        write(tmp)
-        with open(tmp, "r+b") as f:  # read back what is on disk, and fsync it
-            size, sha = hash_file(f)
-            os.fsync(f.fileno())
+        written = write(tmp)
+        if isinstance(written, tuple):
+            size, sha = written
+        else:
+            with open(tmp, "r+b") as f:  # read back what is on disk, and fsync it
+                size, sha = hash_file(f)
+                os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:
         with contextlib.suppress(OSError):

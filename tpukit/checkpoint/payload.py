@@ -100,16 +100,16 @@ def _is_numpy(obj: Any) -> bool:
 # --------------------------------------------------------------------------- payload formats
 
 def write_payload(state: Any, tmp: Path, weights_format: str,
-                  fetch: Callable[[torch.Tensor], torch.Tensor] = host_copy) -> None:
+                  fetch: Callable[[torch.Tensor], torch.Tensor] = host_copy) -> tuple[int, str]:
     """Write ``state`` to the file ``tmp`` in ``weights_format`` ("torch" or "safetensors").
 
     Tensors may live on XLA devices (already synced): ``fetch`` copies each one to
-    the host when its turn comes, so the save holds about one tensor at a time.
+    the host when its turn comes, so the save holds one tensor at a time. Returns
+    the file's byte size and sha256 (hashed as written; the file is fsynced).
     """
     if weights_format == "torch":
-        write_torch(state, tmp, fetch)
-    else:
-        write_safetensors(state, tmp, fetch, _STRUCTURE_KEY)
+        return write_torch(state, tmp, fetch)
+    return write_safetensors(state, tmp, fetch, _STRUCTURE_KEY)
 
 
 def read_payload(path: Path, weights_format: str) -> Any:

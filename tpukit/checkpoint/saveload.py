@@ -93,10 +93,11 @@ def preflight(state: Any, target: Path) -> None:
     """Raise CheckpointError, before anything is written, when the disk or host memory is too small.
 
     The disk needs the payload's bytes (plus 1% and 64 KiB of archive overhead)
-    free beside ``target``; host memory needs room for the largest tensor, the
-    most a streamed save holds at once.
+    free beside ``target``; host memory needs room for the largest tensor (twice
+    it for a device tensor), the most a streamed save holds at once. A sharded
+    save holds one tensor's local shards at a time, so the check is conservative.
     """
-    total, largest = payload_bytes(state)
+    total, peak = payload_bytes(state)
     need = int(total * 1.01) + (64 << 10)
     free = shutil.disk_usage(target.parent).free
     if free < need:
@@ -106,9 +107,9 @@ def preflight(state: Any, target: Path) -> None:
             "(e.g. keep fewer checkpoints) or save to a larger disk."
         )
     available = environment.available_memory()
-    if available is not None and largest > available:
+    if available is not None and peak > available:
         raise CheckpointError(
-            f"Not enough host memory to save {target.name}: its largest tensor takes {_gib(largest)} on the host "
+            f"Not enough host memory to save {target.name}: its largest tensor takes {_gib(peak)} on the host "
             f"while it is written, and {_gib(available)} is available. Nothing was written; free host memory "
             "(delete CPU copies, restart other kernels) and save again."
         )

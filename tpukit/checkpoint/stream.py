@@ -1,28 +1,37 @@
-"""Payloads written tensor by tensor, so a save holds about one tensor in host memory, not the state.
+"""Payloads written tensor by tensor, so a save holds one tensor in host memory, not the state.
 
 Both formats are laid out first and filled in after:
 
 - **torch**: ``torch.save`` writes the archive with ``torch.serialization.skip_data``
   from a skeleton of never-touched ``torch.empty`` stand-ins (no host memory is
   committed for them), leaving the storage records as holes in the file. Loading
-  that file under ``FakeTensorMode`` gives each storage's byte offset (torch's own
-  offset computation), and each tensor is then copied to the CPU and written at its
-  offset with ``os.pwrite``, one at a time. The file is an ordinary ``torch.save``
-  archive: ``torch.load`` reads it. Its zip CRC fields do not cover the filled-in
-  bytes (torch does not check them); the manifest's sha256 covers the whole file.
+  that file with ``torch.load(mmap=True)`` places each storage at its record's
+  offset (torch's own layout, nothing read), and each tensor is then copied to the
+  CPU and written at its offset with ``os.pwrite``, one at a time, its CRC-32 put
+  into the zip's data descriptor and central directory. The file is an ordinary
+  ``torch.save`` archive: ``torch.load`` and zip tools read it.
 - **safetensors**: the header (names, dtypes, shapes, offsets, and the tree's
   structure as metadata) is written from the shapes alone, then the data, tensor by
   tensor; ``safetensors.safe_open`` reads it.
 
-Tensors that are one object, one XLA tensor or one CPU view are written once, so
-tied weights stay tied. Write errors are the real ``OSError`` (ENOSPC, EFBIG, ...).
+The sha256 of the file is computed as it is written (the small gaps between
+tensors read back, the tensors hashed from memory), so the 1 GB state is not read
+back to be hashed. Tensors that are one object, one XLA tensor or one CPU view are
+written once, so tied weights stay tied. An XLA tensor's copy to the host briefly
+takes twice its size (torch_xla converts through a second buffer), so the extra
+host memory of a save peaks near twice its largest tensor. Write errors are the
+real ``OSError`` (ENOSPC, EFBIG, ...).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import struct
+import zipfile
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,11 +93,16 @@ def skeleton(state: Any) -> tuple[Any, list[Entry]]:
 
 
 def payload_bytes(state: Any) -> tuple[int, int]:
-    """(total, largest) data bytes of the distinct tensors in ``state``: what a save writes and holds."""
-    seen: dict[Any, int] = {}
+    """(data bytes of the distinct tensors, peak host bytes while one is written) of ``state``.
+
+    The peak is the largest tensor's size, twice it for a device tensor (its copy to
+    the host passes through a second buffer).
+    """
+    seen: dict[Any, tuple[int, int]] = {}
     for _, t in tree_leaves(state, is_tensor):
-        seen.setdefault(tensor_key(t), t.numel() * t.element_size())
-    return sum(seen.values()), max(seen.values(), default=0)
+        size = t.numel() * t.element_size()
+        seen.setdefault(tensor_key(t), (size, 2 * size if _xla.is_xla_tensor(t) else size))
+    return sum(size for size, _ in seen.values()), max((peak for _, peak in seen.values()), default=0)
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -97,18 +111,31 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     return cpu.contiguous()
 
 
-def _pwrite_all(fd: int, t: torch.Tensor, offset: int) -> None:
-    if not t.numel():
-        return
-    data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:done + _CHUNK], offset + done)
 
 
-def _fill(tmp: Path, entries: list[Entry], fetch: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Copy each entry to the host and write it at its offset, one at a time, in file order."""
-    fd = os.open(tmp, os.O_WRONLY)
+def _hash_range(fd: int, digest: Any, start: int, end: int) -> None:
+    while start < end:
+        chunk = os.pread(fd, min(_CHUNK, end - start), start)
+        if not chunk:
+            raise OSError(f"{end - start} bytes missing while hashing the checkpoint")
+        digest.update(chunk)
+        start += len(chunk)
+
+
+def _fill(tmp: Path, entries: list[Entry], fetch: Callable[[torch.Tensor], torch.Tensor],
+          crc_at: dict[int, list[int]] | None = None) -> tuple[int, str]:
+    """Copy each entry to the host and write it at its offset, one at a time, in file order.
+
+    ``crc_at`` maps an entry's offset to the positions of its CRC-32 fields (zip
+    archives). Returns the file's byte size and sha256, hashed as it is written,
+    after an fsync.
+    """
+    digest, position = hashlib.sha256(), 0
+    fd = os.open(tmp, os.O_RDWR)
     try:
         for entry in sorted(entries, key=lambda e: e.offset):
             cpu = fetch(entry.source)
@@ -118,10 +145,20 @@ def _fill(tmp: Path, entries: list[Entry], fetch: Callable[[torch.Tensor], torch
                     f"{tuple(cpu.shape)} {cpu.dtype} while it was being saved. Save when no other thread "
                     "modifies the state."
                 )
-            _pwrite_all(fd, cpu, entry.offset)
-            del cpu
+            data = memoryview(cpu.reshape(-1).view(torch.uint8).numpy()) if cpu.numel() else memoryview(b"")
+            for field in (crc_at or {}).get(entry.offset, ()):
+                os.pwrite(fd, zlib.crc32(data).to_bytes(4, "little"), field)
+            _hash_range(fd, digest, position, entry.offset)  # headers before it (its CRC fields come after)
+            _pwrite_all(fd, data, entry.offset)
+            digest.update(data)
+            position = entry.offset + len(data)
+            del data, cpu
+        size = os.fstat(fd).st_size
+        _hash_range(fd, digest, position, size)
+        os.fsync(fd)
     finally:
         os.close(fd)
+    return size, digest.hexdigest()
 
 
 # --------------------------------------------------------------------------- torch archive
@@ -156,13 +193,45 @@ def read_torch(path: Path, mmap: bool = False) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
-def write_torch(state: Any, tmp: Path, fetch: Callable[[torch.Tensor], torch.Tensor]) -> None:
-    """Write ``state`` to ``tmp`` as a ``torch.save`` archive, tensor data streamed in afterwards."""
+def write_torch(state: Any, tmp: Path, fetch: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, str]:
+    """Write ``state`` to ``tmp`` as a ``torch.save`` archive, tensor data streamed in afterwards.
+
+    Returns the file's byte size and sha256.
+    """
     frame, entries = skeleton(state)
     with torch.serialization.skip_data():
         _save_torch(frame, tmp)
     _locate(tmp, frame, entries)
-    _fill(tmp, entries, fetch)
+    return _fill(tmp, entries, fetch, _crc_fields(tmp))
+
+
+def _crc_fields(tmp: Path) -> dict[int, list[int]]:
+    """For each data record of the zip archive ``tmp``: its data offset -> the positions of its CRC-32 fields.
+
+    torch's archives set the data-descriptor flag, so a record's CRC sits in the
+    descriptor after its data and in its central-directory entry (never in the
+    local header); ``skip_data`` leaves both zero.
+    """
+    fields: dict[int, list[int]] = {}
+    with zipfile.ZipFile(tmp) as archive, open(tmp, "rb") as f:
+        f.seek(archive.start_dir)
+        directory = f.read()
+        central: dict[str, int] = {}
+        at = 0
+        while directory[at:at + 4] == b"PK\x01\x02":
+            name_len, extra_len, comment_len = struct.unpack("<HHH", directory[at + 28:at + 34])
+            central[directory[at + 46:at + 46 + name_len].decode()] = archive.start_dir + at
+            at += 46 + name_len + extra_len + comment_len
+        for info in archive.infolist():
+            if "/data/" not in info.filename or not info.file_size:
+                continue  # an empty record has no descriptor, and its CRC-32 (of nothing) is 0 already
+            f.seek(info.header_offset + 26)
+            name_len, extra_len = struct.unpack("<HH", f.read(4))
+            data = info.header_offset + 30 + name_len + extra_len
+            f.seek(data + info.file_size)
+            descriptor = data + info.file_size + (4 if f.read(4) == b"PK\x07\x08" else 0)
+            fields[data] = [descriptor, central[info.filename] + 16]
+    return fields
 
 
 def _locate(tmp: Path, frame: Any, entries: list[Entry]) -> None:
@@ -189,8 +258,11 @@ def _locate(tmp: Path, frame: Any, entries: list[Entry]) -> None:
 # --------------------------------------------------------------------------- safetensors
 
 def write_safetensors(state: Any, tmp: Path, fetch: Callable[[torch.Tensor], torch.Tensor],
-                      structure_key: str) -> None:
-    """Write ``state`` to ``tmp`` as a safetensors file whose metadata holds the tree's structure."""
+                      structure_key: str) -> tuple[int, str]:
+    """Write ``state`` to ``tmp`` as a safetensors file whose metadata holds the tree's structure.
+
+    Returns the file's byte size and sha256.
+    """
     frame, entries = skeleton(state)
     by_stand_in = {id(e.stand_in): e for e in entries}
     used: set[str] = set()
@@ -234,4 +306,4 @@ def write_safetensors(state: Any, tmp: Path, fetch: Callable[[torch.Tensor], tor
         f.truncate(start + position)
     for entry in entries:
         entry.offset += start
-    _fill(tmp, entries, fetch)
+    return _fill(tmp, entries, fetch)
