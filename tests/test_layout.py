@@ -35,8 +35,8 @@ LAYERS = {
     "runtime": 1, "metrics": 1, "events": 1, "classify": 1,
     "compiles": 2,
     "steps": 3,
-    "spmd": 4, "data": 4, "guards": 4,
-    "track": 5, "launch": 5, "checkpoint": 5, "profile": 5,  # profile may not exist yet
+    "spmd": 4, "data": 4, "guards": 4, "hosts": 4,
+    "track": 5, "launch": 5, "checkpoint": 5, "profile": 5, "pod": 5, "localslice": 5,  # profile may not exist yet
     "magics": 6, "__main__": 6,  # and tpukit.widgets.*, tpukit.magics_*, tpukit._magic*
 }
 TOP = 7  # tpukit/__init__.py: the public API, imports everything

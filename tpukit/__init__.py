@@ -13,6 +13,7 @@ from .errors import (
     RecompilationError,
     RuntimeStateError,
     ShardingError,
+    SliceError,
     TorchXlaMissingError,
     TpukitError,
     TpukitWarning,
@@ -23,8 +24,10 @@ from .compiles import CompileEvent, compiling_now
 from .events import add_listener, remove_listener
 from .guards import expect_compiles, no_recompile_after
 from .launch import launch
+from .localslice import LocalSlice
 from .magics import load_ipython_extension, unload_ipython_extension
 from .metrics import Delta, Snapshot, snapshot
+from .pod import run_on_slice
 from .profile import Profile, ProfileSummary, profile
 from .runtime import Runtime, rank, setup
 from .spmd import device_loader, fsdp, mesh, shard_batch, sharding_spec
@@ -63,6 +66,8 @@ __all__ = [
     "device_loader",
     "fsdp",
     "launch",
+    "run_on_slice",
+    "LocalSlice",
     "profile",
     "Profile",
     "ProfileSummary",
@@ -79,4 +84,5 @@ __all__ = [
     "RecompilationError",
     "CheckpointError",
     "LaunchError",
+    "SliceError",
 ]

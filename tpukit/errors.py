@@ -38,6 +38,10 @@ class LaunchError(TpukitError):
     """A multi-process launch could not start or a replica failed."""
 
 
+class SliceError(LaunchError):
+    """A run on the hosts of a TPU slice (``tpukit.run_on_slice``) could not start or a host failed."""
+
+
 class ShardingError(TpukitError, ValueError):
     """A tensor cannot be split the way it was asked to (e.g. an indivisible batch)."""
 

@@ -180,7 +180,9 @@ class DashboardState:
 
     # ------------------------------------------------------------ listener side (O(1))
     def add_step(self, rec: Any) -> None:
-        """Consume one StepRecord."""
+        """Consume one StepRecord (of this process, or of host 0 of a slice: see widgets/slice.py)."""
+        if getattr(rec, "host", 0):
+            return  # the other hosts of a run_on_slice run: their steps are the SliceView's
         with self._lock:
             self._n_steps += 1
             self._last_step = rec.step
@@ -229,7 +231,9 @@ class DashboardState:
             self.dirty = True
 
     def add_compile(self, event: Any) -> None:
-        """Consume one CompileEvent (new, or an update of one already seen)."""
+        """Consume one CompileEvent (new, or an update of one already seen); host 0's only, as add_step."""
+        if getattr(event, "host", 0):
+            return
         with self._lock:
             self._add_compile(event, step=None)
             self.dirty = True

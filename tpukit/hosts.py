@@ -1,0 +1,323 @@
+"""The hosts of a TPU slice: their shape, what each one is told, and what runs on each under
+``tpukit.run_on_slice``.
+
+One Ray task runs :func:`slice_host` on every host of the slice (``tpukit.pod`` starts them). It
+learns its host index from the node it landed on (the ``ray.io/tpu-worker-id`` label Ray reads from
+the TPU metadata), sets the environment torch_xla's multi-host SPMD reads (:func:`host_env`),
+captures the host's stdout and stderr at the file-descriptor level (XLA's C-level output too),
+tags the host's step records and compile events with its index, and runs the user's function in a
+thread while it yields all of that to the notebook as a Ray streaming generator.
+
+:func:`current` tells code running on a slice which host it is on (a checkpoint writer uses it
+to decide who writes what); off a slice it is host 0 of 1. Ray is imported only inside functions:
+it is an optional dependency (``pip install 'tpukit[pod]'``).
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import io
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+from . import compiles, events, runtime
+from .compiles import CompileEvent
+from .errors import SliceError
+from .steps import StepRecord
+
+INDEX_ENV = "TPUKIT_HOST_INDEX"  # this host's index in the slice, 0 .. count-1
+COUNT_ENV = "TPUKIT_HOST_COUNT"  # the number of hosts in the slice
+SLICE_ENV = "TPUKIT_SLICE_NAME"  # the slice's name (Ray's ray.io/tpu-slice-name label)
+# What torch_xla reads for multi-host runs (torch_xla/core/xla_env_vars.py, _internal/tpu.py,
+# _internal/rendezvous.py): set only where the host does not already have them (a TPU VM's
+# metadata and GKE's webhook provide the same facts, and win).
+TORCH_XLA_ENV = ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "MASTER_ADDR")
+WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+# Names people use for an accelerator generation -> Ray's name for it (ray.util.tpu).
+ALIASES = {"v5e": "v5litepod", "v5lite": "v5litepod", "v5litepod": "v5litepod", "v5p": "v5p", "v6e": "v6e",
+           "v7x": "v7x", "v4": "v4", "v3": "v3", "v2": "v2"}
+_TICK_S = 0.2        # how often the host pumps its queue while the function runs
+_POLL_COMPILES_S = 1.0
+_DRAIN_S = 2.0       # how long to wait for the last output after the function returned
+
+
+@dataclass(frozen=True)
+class Host:
+    """Where this process runs in a slice: host ``index`` of ``count`` (``Host(0, 1)`` off a slice)."""
+
+    index: int
+    count: int
+    slice_name: str | None = None
+    coordinator: str | None = None  # host 0's address (torch_xla's MASTER_ADDR)
+
+    @property
+    def first(self) -> bool:
+        """True on host 0, the one that writes what all hosts hold the same (replicated state)."""
+        return self.index == 0
+
+
+def current() -> Host:
+    """This process's host in a ``run_on_slice`` run, from the environment it set; ``Host(0, 1)``
+    everywhere else (a notebook, a script, a single TPU VM)."""
+    index, count = os.environ.get(INDEX_ENV), os.environ.get(COUNT_ENV)
+    if index is None or count is None:
+        return Host(0, 1)
+    return Host(int(index), int(count), os.environ.get(SLICE_ENV) or None, os.environ.get("MASTER_ADDR") or None)
+
+
+@dataclass(frozen=True)
+class HostStepRecord(StepRecord):
+    """A :class:`~tpukit.StepRecord` made on host ``host`` of a slice, as the notebook receives it."""
+
+    host: int = 0
+
+
+@dataclass(frozen=True)
+class HostCompileEvent(CompileEvent):
+    """A :class:`~tpukit.CompileEvent` from host ``host`` of a slice (its ``index`` counts that host's compiles)."""
+
+    host: int = 0
+
+
+def _fields(record: Any, base: type) -> dict:
+    return {f.name: getattr(record, f.name) for f in dataclasses.fields(base)}
+
+
+def tag_event(event: CompileEvent, host: int) -> HostCompileEvent:
+    """``event`` as a :class:`HostCompileEvent` of ``host``."""
+    return HostCompileEvent(**_fields(event, CompileEvent), host=host)
+
+
+def tag_step(record: StepRecord, host: int) -> HostStepRecord:
+    """``record`` (and the compile events it carries) as a :class:`HostStepRecord` of ``host``."""
+    fields = _fields(record, StepRecord)
+    fields["compile_events"] = tuple(tag_event(e, host) for e in record.compile_events)
+    return HostStepRecord(**fields, host=host)
+
+
+# ------------------------------------------------------------------------------ slice shape
+
+def ray_version(accelerator_version: str) -> str:
+    """Ray's name for an accelerator generation (``"v5e"`` -> ``"v5litepod"``); SliceError if unknown."""
+    key = str(accelerator_version).strip().lower().removeprefix("tpu-")
+    if key not in ALIASES:
+        raise SliceError(f"accelerator_version={accelerator_version!r} is not a TPU generation Ray schedules; use one "
+                         f"of {', '.join(sorted(set(ALIASES) - {'v5lite', 'v5litepod'}))} (e.g. 'v5e', 'v6e', 'v5p').")
+    return ALIASES[key]
+
+
+def slice_shape(topology: str, accelerator_version: str) -> tuple[str, int, int]:
+    """``(pod type, hosts, chips per host)`` of a slice, e.g. ``("v5litepod-16", 4, 4)`` for a v5e
+    ``4x4``; SliceError, before anything starts, when the topology does not exist for the generation."""
+    from ray._private.accelerators.tpu import VALID_TPU_TOPOLOGY, infer_tpu_pod_type_from_topology
+    from ray.util.tpu import get_tpu_worker_resources
+
+    version = ray_version(accelerator_version)
+    shape = str(topology).strip().lower()
+    valid = VALID_TPU_TOPOLOGY.get(version, set())
+    if shape not in valid:
+        def order(t):
+            return [int(d) for d in t.split("x")]
+        raise SliceError(f"topology={topology!r} does not exist for TPU {accelerator_version} ({version}): its slices "
+                         f"are {', '.join(sorted(valid, key=order))}. Pick one of those (the product of the numbers "
+                         "is the chip count; e.g. '4x4' is a v5e-16, four hosts of 4 chips).")
+    hosts, resources = get_tpu_worker_resources(shape, version)
+    return infer_tpu_pod_type_from_topology(shape, version), hosts, int(resources["TPU"])
+
+
+def host_env(index: int, plan: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
+    """The environment host ``index`` gets before the user's function runs: ``(always, defaults)``.
+
+    ``always``: tpukit's own variables (host index and count, slice name) and the rank
+    ``tpukit.rank()`` reads, so ``rank() == index``. ``defaults``, set only where the host lacks
+    them: torch_xla's ``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES`` (every host's address in worker
+    order) and ``MASTER_ADDR`` (host 0, the coordinator of torch.distributed's ``xla://`` rendezvous).
+    """
+    names = list(plan.get("hostnames") or ())
+    always = {INDEX_ENV: str(index), COUNT_ENV: str(plan["count"]), runtime.RANK_ENV: str(index)}
+    if plan.get("slice"):
+        always[SLICE_ENV] = str(plan["slice"])
+    defaults = {"TPU_WORKER_ID": str(index)}
+    if names:
+        defaults["TPU_WORKER_HOSTNAMES"] = ",".join(names)
+        defaults["MASTER_ADDR"] = names[0]
+    return always, defaults
+
+
+# ------------------------------------------------------------------------------ on each host
+
+class _Forward:
+    """The host's listener: its step records and compile events, tagged with its index, go on the queue."""
+
+    def __init__(self, put: Callable[[tuple], None], host: int):
+        self.put, self.host = put, host
+
+    def on_step(self, record: StepRecord) -> None:
+        self.put(("step", tag_step(record, self.host)))
+
+    def on_compile(self, event: CompileEvent) -> None:
+        self.put(("compile", tag_event(event, self.host)))
+
+
+class _Capture:
+    """Points fds 1 and 2 (print, logging and C-level output alike) at pipes whose reader threads put
+    ``("out", host, "stdout"|"stderr", text)`` on the queue; puts everything back on exit."""
+
+    def __init__(self, put: Callable[[tuple], None], host: int):
+        self.put, self.host = put, host
+        self.saved: list[tuple[int, int]] = []
+        self.readers: list[threading.Thread] = []
+        self.streams = (sys.stdout, sys.stderr)
+
+    def __enter__(self) -> "_Capture":
+        for stream in self.streams:
+            stream.flush()
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            read_end, write_end = os.pipe()
+            self.saved.append((fd, os.dup(fd)))
+            os.dup2(write_end, fd)
+            os.close(write_end)
+            reader = threading.Thread(target=self._read, args=(read_end, name), name=f"tpukit-host-{name}", daemon=True)
+            reader.start()
+            self.readers.append(reader)
+        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
+                                                   errors="backslashreplace", line_buffering=True, write_through=True)
+                                  for fd in (1, 2))
+        return self
+
+    def _read(self, fd: int, name: str) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        try:
+            while data := os.read(fd, 65536):
+                if text := decoder.decode(data):
+                    self.put(("out", self.host, name, text))
+            if text := decoder.decode(b"", final=True):
+                self.put(("out", self.host, name, text))
+        finally:
+            os.close(fd)
+
+    def __exit__(self, *exc: Any) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        sys.stdout, sys.stderr = self.streams
+        for fd, saved in self.saved:  # closes the pipes' last write ends: the readers see the end
+            os.dup2(saved, fd)
+            os.close(saved)
+        for reader in self.readers:  # a child process that inherited fd 1 may keep its pipe open
+            reader.join(_DRAIN_S)
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback from the user's function on (this module's frames dropped)."""
+    tb = exc.__traceback__
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(__file__):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+
+
+def _run(payload: bytes, host: int, outcome: dict) -> None:
+    """Load and call the user's function; leave ``("done", host, pickled value or None)`` or
+    ``("error", host, summary, traceback)`` in ``outcome``."""
+    from ray import cloudpickle
+
+    try:
+        fn, args, kwargs = cloudpickle.loads(payload)
+    except BaseException as exc:
+        outcome["message"] = ("error", host, f"its function could not be loaded there ({type(exc).__name__}: {exc}); "
+                              "define it in the notebook (it then travels by value) or install the module it "
+                              "comes from on every host", _user_traceback(exc))
+        return
+    try:
+        value = fn(*args, **kwargs)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            outcome["message"] = ("error", host, f"SystemExit({exc.code!r})", _user_traceback(exc))
+            return
+        value = None
+    except BaseException as exc:
+        outcome["message"] = ("error", host, f"{type(exc).__name__}: {exc}", _user_traceback(exc))
+        return
+    blob = None
+    if host == 0:  # only host 0's value goes back (it is what run_on_slice returns)
+        try:
+            blob = cloudpickle.dumps(value)
+        except Exception as exc:
+            outcome["message"] = ("error", host, f"it returned a {type(value).__name__} that cannot be sent back to "
+                                  f"the notebook ({type(exc).__name__}: {exc}); return plain Python data or CPU "
+                                  "tensors (t.cpu())", "")
+            return
+    outcome["message"] = ("done", host, blob)
+
+
+def _poll_compiles() -> None:
+    """Read the compile-trace file now, so a long compile reaches the notebook while it runs."""
+    try:
+        if runtime.started() and compiles.tracing_enabled():
+            compiles.compiling_now()
+    except Exception:  # telemetry must never break the host's training
+        pass
+
+
+def _drain(q: "queue.SimpleQueue[tuple]") -> Iterator[tuple]:
+    while True:
+        try:
+            yield q.get_nowait()
+        except queue.Empty:
+            return
+
+
+def _host_index() -> int:
+    import ray
+
+    label = ray.get_runtime_context().get_node_labels().get(WORKER_ID_LABEL)
+    found = label if label is not None else os.environ.get("TPU_WORKER_ID")
+    if found is None:
+        raise SliceError(f"this Ray node has no {WORKER_ID_LABEL} label and no TPU_WORKER_ID: it is not a host of a TPU "
+                         "slice. Start Ray on the slice's TPU VMs (README, 'When one machine is not enough').")
+    return int(found)
+
+
+def slice_host(payload: bytes, plan: Mapping[str, Any]) -> Iterator[tuple]:
+    """The Ray streaming task ``run_on_slice`` starts on every host of the slice.
+
+    Yields, in order: ``("hello", host, hostname, pid)``; then, while the user's function runs,
+    ``("out", host, stream, text)``, ``("step", HostStepRecord)`` and ``("compile", HostCompileEvent)``
+    as they happen; last ``("done", host, pickled value)`` (the value on host 0 only) or
+    ``("error", host, summary, traceback)``.
+    """
+    host = _host_index()
+    always, defaults = host_env(host, plan)
+    os.environ.update(always)
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    q: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+    yield ("hello", host, socket.gethostname(), os.getpid())
+    outcome: dict = {}
+    listener = events.add_listener(_Forward(q.put, host))
+    try:
+        with _Capture(q.put, host):
+            worker = threading.Thread(target=_run, args=(payload, host, outcome), name="tpukit-host-main", daemon=True)
+            worker.start()
+            next_poll = time.monotonic() + _POLL_COMPILES_S
+            while worker.is_alive():
+                worker.join(_TICK_S)
+                yield from _drain(q)
+                if time.monotonic() >= next_poll:
+                    _poll_compiles()
+                    next_poll = time.monotonic() + _POLL_COMPILES_S
+        _poll_compiles()  # the last compile's end
+    finally:
+        events.remove_listener(listener)
+    yield from _drain(q)
+    yield outcome.get("message") or ("error", host, "the function's thread ended without a result", "")
