@@ -115,10 +115,16 @@ $(CSTAMP): $(STAMP) $(CPINS) tests/colab/test-tools.txt tests/colab/share_torch.
 	@touch $(CSTAMP)
 	@echo "tpukit: Colab-parity environment ready in $(CVENV)"
 
+# Colab's stack pinned here has no Ray, nor has .venv-colab: the unit tests that need Ray skip. Notebook 08
+# (a simulated multi-host slice) needs it: on Colab its install cell adds the pod extra, which keeps
+# every Colab pin (checked here); run here it would install Ray into this environment for the runs
+# after it, so it is left out (make test runs it, with Ray).
 test-colab: $(CSTAMP)
 	$(CVPY) tests/colab/check_pins.py $(CPINS) --install "$(CURDIR)"
+	$(CVPY) tests/colab/check_pins.py $(CPINS) --install "$(CURDIR)[pod]"
 	$(CVPY) -m pytest tests -q --ignore=tests/e2e -p no:cacheprovider
-	TPUKIT_CPU_DEVICES=1 $(CVPY) -m pytest $(NBVAL) notebooks -q -p no:cacheprovider
+	TPUKIT_CPU_DEVICES=1 $(CVPY) -m pytest $(NBVAL) notebooks -q -p no:cacheprovider \
+		--ignore=notebooks/08_beyond_one_machine.ipynb
 
 # The end-to-end test on the classic front end Colab's widgets come from (Notebook 6.5.7,
 # ipywidgets 7.7.1), in .venv-colab; playwright goes in under Colab's pins (-c), so none moves.
