@@ -99,7 +99,14 @@ def plain(directory: str) -> None:
     from tpukit import checkpoint
 
     state = checkpoint.load(directory)
+    import torch  # the consolidated state loads into plain CPU PyTorch objects, optimizer state included
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model.load_state_dict(state["model"])
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    opt.load_state_dict(state["optimizer"])
     print(json.dumps({"step": state["step"], "model": digests(state["model"]),
+                      "loaded_optimizer": digests(opt.state_dict()["state"]),
                       "optimizer": digests(state["optimizer"]["state"]),
                       "devices": [str(t.device) for t in state["model"].values()],
                       "torch_xla_loaded": "torch_xla" in sys.modules}))

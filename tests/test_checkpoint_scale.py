@@ -152,6 +152,7 @@ def test_sharded_checkpoint_restores_into_another_mesh_and_whole_on_plain_cpu(tm
     plain = json.loads(_run(script, "plain", str(tmp_path)).splitlines()[-1])
     assert plain["torch_xla_loaded"] is False and set(plain["devices"]) == {"cpu"}
     assert plain["step"] == 2 and plain["model"] == saved["model"] and plain["optimizer"] == saved["optimizer"]
+    assert plain["loaded_optimizer"] == saved["optimizer"]  # a plain torch Adam takes the moments, keys and all
 
 
 def test_damaged_shard_file_is_skipped_for_the_previous_checkpoint(tmp_path):

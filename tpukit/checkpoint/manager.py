@@ -188,7 +188,10 @@ class CheckpointManager:
         with the same placement rules as a fresh run). ``step_var``, a tensor such
         as an on-device step counter, is filled with the step in place. The generator
         states are restored last (when the manager has ``rng=True`` and the
-        checkpoint holds them), whatever the process seeded before.
+        checkpoint holds them), whatever the process seeded before. Every
+        ``torch_xla.sync()`` advances the XLA seed, so for an exact resume save
+        after the step's sync (``tpukit.track`` does) and restore right before the
+        loop, with no sync in between.
         """
         self.wait()
         newest = self.all_steps()
@@ -223,6 +226,10 @@ class CheckpointManager:
         if step_var is not None:
             with torch.no_grad():
                 step_var.fill_(step)
+        if _xla.runtime_initialized():
+            # the restored values become device data now (a pending copy read before a sync can lose an
+            # uneven sharding); before the generator states, since a sync advances the XLA seed
+            _xla.sync()
         if self.rng and RNG_KEY in state:
             set_rng_state(state[RNG_KEY])
         return step

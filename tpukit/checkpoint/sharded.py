@@ -155,10 +155,25 @@ def read_sharded(path: Path, into: dict | None = None) -> Any:
         if into is None:
             from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-            return _load_state_dict_from_keys(checkpoint_id=str(path))  # DCP's own full, single-process load
+            return _int_state_keys(_load_state_dict_from_keys(checkpoint_id=str(path)))  # DCP's full load
         _, load_planner = _xla.spmd_checkpoint_planners()
         dcp.load(into, storage_reader=reader, planner=load_planner, no_dist=process_group() is None)
     return into
+
+
+def _int_state_keys(tree: Any) -> Any:
+    """Give optimizer state dicts back their integer parameter keys.
+
+    DCP stores dict keys as strings, so ``{"state": {0: ...}, "param_groups": ...}``
+    comes back with ``"0"``; ``Optimizer.load_state_dict`` would then attach none of
+    the state to its parameters, silently.
+    """
+    if not isinstance(tree, dict):
+        return tree
+    out = {k: _int_state_keys(v) for k, v in tree.items()}
+    if isinstance(out.get("state"), dict) and isinstance(out.get("param_groups"), list):
+        out["state"] = {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in out["state"].items()}
+    return out
 
 
 def saved_keys(path: Path) -> set[str]:
