@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from .errors import TorchXlaMissingError, VersionMismatchError
+from .errors import RuntimeStateError, TorchXlaMissingError, VersionMismatchError
 
 _MODULES: dict[str, Any] = {}
 
@@ -28,6 +28,7 @@ def _module(name: str = "torch_xla"):
     mod = _MODULES.get(name)
     if mod is None:
         mod = _MODULES[name] = _import(name)
+        _watch_eager_mode()
     return mod
 
 
@@ -35,10 +36,10 @@ def _import(name: str):
     try:
         return importlib.import_module(name)
     except ImportError as exc:
+        from . import environment
+
         text = str(exc)
         if "undefined symbol" in text or "torch_xla/_XLAC" in text:
-            from . import environment
-
             v = environment.versions()
             raise VersionMismatchError(
                 f"torch_xla {v.get('torch_xla')} cannot load with torch {v.get('torch')}: "
@@ -46,8 +47,6 @@ def _import(name: str):
                 f"Install a matching pair: {environment.install_command()}"
             ) from None
         if exc.name and exc.name.split(".")[0] == "torch_xla":
-            from . import environment
-
             raise TorchXlaMissingError(
                 "torch_xla is not installed in this Python environment. "
                 f"Install it with: {environment.install_command()}"
@@ -231,20 +230,13 @@ def set_rng_seed(seed: int) -> None:
 
 
 def tensor_id(t: Any) -> int:
-    """torch_xla's id of an XLA tensor; equal ids mean the same data seen through
-    different tensor objects (tied weights, ``state_dict()`` detaches)."""
+    """torch_xla's id of an XLA tensor; equal ids: the same data (tied weights, ``state_dict()`` detaches)."""
     return int(torch_xla()._XLAC._xla_get_tensor_id(getattr(t, "global_tensor", t)))
 
 
 def to_cpu(tensors: Sequence[Any], sync: bool = True) -> list:
-    """Copy XLA tensors to new CPU tensors in one batch, computing pending values first.
-
-    SPMD-sharded tensors come back whole (gathered from their shards). Like
-    ``xm.save``'s conversion, but it also accepts ``nn.Parameter`` and
-    ``XLAShardedTensor`` (``xm`` only converts exact ``torch.Tensor``). ``sync=False``
-    skips the sync (and its wait for every pending execution) for tensors whose value
-    is already device data.
-    """
+    """Copy XLA tensors (``nn.Parameter`` and ``XLAShardedTensor`` too, sharded ones whole) to new CPU
+    tensors in one batch, computing pending values first unless ``sync=False`` (already device data)."""
     tensors = [getattr(t, "global_tensor", t) for t in tensors]
     if not tensors:
         return []
@@ -316,12 +308,8 @@ def prime_optimizer(optimizer: Any) -> None:
 
 
 class _FirstDimSharding:
-    """``input_sharding`` for torch_xla's loaders: split dim 0 of every tensor over one mesh axis.
-
-    torch_xla's ``ShardingSpec`` only applies to tensors of one rank; a batch mixes
-    ranks (inputs, labels), so this keeps one spec per rank. Scalars stay replicated.
-    ``check(t)`` runs first and may raise (e.g. an indivisible batch).
-    """
+    """``input_sharding`` for torch_xla's loaders: split dim 0 of every tensor over one mesh axis, with
+    one ``ShardingSpec`` per rank (a batch mixes ranks); scalars replicated; ``check(t)`` may raise first."""
 
     minibatch = False
 
@@ -365,10 +353,8 @@ def spmd_fsdp(module: Any, mesh: Any, shard_output: Callable[[Any, Any], None]):
 
 
 def local_process_count() -> int:
-    """Processes torch_xla's launcher starts on this host: one per chip on TPU, 1 on CPU/GPU.
-
-    Mirrors ``torch_xla._internal.pjrt.run_multiprocess``; does not start the runtime.
-    """
+    """Processes torch_xla's launcher starts on this host: one per chip on TPU, 1 on CPU/GPU (mirrors
+    ``torch_xla._internal.pjrt.run_multiprocess``; does not start the runtime)."""
     plugins = _module("torch_xla.experimental.plugins")
     if plugins.using_dynamic_plugins():
         return int(plugins.default().physical_chip_count())
@@ -392,12 +378,8 @@ class _IndexedCall:
 
 def run_replica_process(local_rank: int, local_world_size: int, fn: Callable[..., Any],
                         args: Sequence[Any]) -> dict[int, Any]:
-    """Body of one ``xmp.spawn`` process: set up this process's chips, then run ``fn``
-    in one thread per addressable device. Returns ``{global ordinal: fn's value}``.
-
-    Uses torch_xla 2.9's private ``pjrt`` helpers so the topology set-up is exactly
-    the one ``torch_xla.launch`` does; call it in a fresh process only.
-    """
+    """Body of one ``xmp.spawn`` process (a fresh one): set up its chips with torch_xla 2.9's private ``pjrt``
+    helpers, as ``torch_xla.launch`` does, run ``fn`` in one thread per device; ``{global ordinal: value}``."""
     pjrt = _module("torch_xla._internal.pjrt")
     return dict(pjrt._run_thread_per_device(local_rank, local_world_size, fn=_IndexedCall(fn, args),
                                             initializer_fn=pjrt.initialize_multiprocess))
@@ -412,12 +394,8 @@ def run_single_process(fn: Callable[..., Any], args: Sequence[Any]) -> Any:
 # --------------------------------------------------------------------------- lazy state (tpukit.magics)
 
 def has_pending(tensors: Sequence[Any]) -> list[bool]:
-    """For each XLA tensor, True when it holds a computation not yet run (lazy IR).
-
-    Asks torch_xla directly: a synced tensor and a freshly transferred one
-    (``t.to(device)``, data only) are False; a result of ops, or a view of
-    device data, is True until the next sync.
-    """
+    """For each XLA tensor, True when it holds a computation not yet run (lazy IR), asking torch_xla: synced
+    or freshly transferred data is False; a result of ops, or a view of device data, True until the sync."""
     tensors = list(tensors)
     if not tensors:
         return []
@@ -427,14 +405,8 @@ def has_pending(tensors: Sequence[Any]) -> list[bool]:
 # --------------------------------------------------------------------------- profiler (tpukit.profile)
 
 def profiler_start(logdir: str) -> None:
-    """Start torch_xla's in-process profiler session (``xp.start_trace``): host and device
-    activity from now until :func:`profiler_stop`, which writes it under ``logdir``.
-
-    Unlike ``xp.trace_detached`` (a profiler server asked for a fixed duration), the
-    session covers exactly the region between the two calls.
-    """
-    from .errors import RuntimeStateError
-
+    """Start torch_xla's in-process profiler session (``xp.start_trace``): host and device activity until
+    :func:`profiler_stop` writes it under ``logdir`` (unlike ``xp.trace_detached``'s fixed duration)."""
     try:
         _module("torch_xla.debug.profiler").start_trace(str(logdir))
     except RuntimeError as exc:  # "Profile has already been started"
@@ -444,6 +416,35 @@ def profiler_start(logdir: str) -> None:
 
 
 def profiler_stop() -> None:
-    """Stop the session :func:`profiler_start` began and write
-    ``<logdir>/plugins/profile/<run>/<host>.xplane.pb`` (XProf/TensorBoard's layout)."""
+    """Stop :func:`profiler_start`'s session; writes ``<logdir>/plugins/profile/<run>/<host>.xplane.pb``."""
     _module("torch_xla.debug.profiler").stop_trace()
+
+
+# --------------------------------------------------------------------------- eager mode (tpukit.eager)
+
+_EAGER_HOOKS: list[Callable[[bool], None]] = []
+
+
+def on_eager_mode(fn: Callable[[bool], None]) -> None:
+    """Call ``fn(enabled)`` each time eager mode is switched (and now if it is on): ``eager_mode()``, its
+    context manager and ``torch_xla.compile`` all call ``_XLAC._set_use_eager_mode``, which this wraps."""
+    _EAGER_HOOKS.append(fn)
+    if is_imported():
+        _watch_eager_mode()
+
+
+def _watch_eager_mode() -> None:
+    xlac = getattr(sys.modules.get("torch_xla"), "_XLAC", None)
+    setter = getattr(xlac, "_set_use_eager_mode", None)
+    if not _EAGER_HOOKS or setter is None or hasattr(setter, "tpukit_original"):
+        return
+
+    def set_use_eager_mode(enable: bool) -> None:
+        setter(enable)
+        for hook in _EAGER_HOOKS:
+            hook(bool(enable))
+
+    set_use_eager_mode.tpukit_original = setter
+    xlac._set_use_eager_mode = set_use_eager_mode
+    if xlac._get_use_eager_mode():
+        set_use_eager_mode(True)
