@@ -34,7 +34,7 @@ LAYERS = {
     "errors": 0, "_version": 0, "graphs": 0, "cache": 0, "frames": 0, "_xla": 0, "_tree": 0, "_text": 0, "_ipython": 0, "environment": 0,
     "runtime": 1, "metrics": 1, "events": 1, "classify": 1,
     "compiles": 2,
-    "steps": 3,
+    "steps": 3, "eager": 3,
     "spmd": 4, "data": 4, "guards": 4, "hosts": 4,
     "track": 5, "launch": 5, "checkpoint": 5, "profile": 5, "pod": 5, "localslice": 5,  # profile may not exist yet
     "magics": 6, "__main__": 6,  # and tpukit.widgets.*, tpukit.magics_*, tpukit._magic*

@@ -356,37 +356,83 @@ def test_eager_mode_per_op_compiles_are_counted():
     assert int(compiled) >= 3 and timed == "True" and int(executed) >= 3  # randn, mm, tanh, sum: one graph each
 
 
-def test_eager_mode_compiles_are_counted_per_step_and_reported_as_not_attributed():
-    """Eager mode's per-op compiles have no compile analysis to attribute (torch_xla skips eager ops in its
-    debug output): the step records, the summary, the dashboard and %%xla count them exactly, say so and why."""
-    out = run_python(
-        "import json, tpukit\nrt = tpukit.setup(device='cpu')\nimport torch\n"
-        "import torch_xla.debug.metrics as met\nfrom torch_xla.experimental import eager_mode\n"
-        "count = lambda: (met.metric_data('EagerOpCompileTime') or (0,))[0]\n"
-        "w = torch.randn(8, 5).to(rt.device)\n"  # device data: nothing pending for the loop's first sync
-        "eager_mode(True)\nn0 = count()\n"
-        "tracker = tpukit.track([torch.randn(4, 8) for _ in range(3)], progress=False, dashboard=True)\n"
-        "for x in tracker:\n    y = torch.tanh(x @ w).sum()\n"
-        "n1 = count()\n"
-        "from IPython.core.interactiveshell import InteractiveShell\n"
-        "shell = InteractiveShell.instance()\nshell.run_line_magic('load_ext', 'tpukit')\n"
-        "shell.push({'torch': torch, 'rt': rt})\n"
-        "shell.run_cell('%%xla\\nz = torch.relu(torch.randn(3, 7, device=rt.device)).sum()\\n')\n"
-        "eager_mode(False)\ns = tracker.summary()\n"
-        "from tpukit.widgets import render\n"
-        "rows = dict(render.counter_rows(tracker.dashboard.state.view()))\n"
-        "print('RESULT', json.dumps({'metric': n1 - n0, 'steps': [[r.compiles, r.eager_compiles, len(r.compile_events)]"
-        " for r in tracker.history], 'eager': s['eager_compiles'], 'note': s['eager_note'], 'rows': rows}))\n",
-        env={"PJRT_DEVICE": "CPU", "TPUKIT_DASHBOARD": "text"})
+EAGER_LOOP = """\
+import json, tpukit
+rt = tpukit.setup(device='cpu')
+import torch
+import torch_xla.debug.metrics as met
+from torch_xla.experimental import eager_mode
+from tpukit import compiles, eager
+count = lambda: (met.metric_data('EagerOpCompileTime') or (0,))[0]
+w = torch.randn(8, 5).to(rt.device)
+eager_mode(True)
+n0, e0 = count(), compiles.event_count()
+tracker = tpukit.track([torch.randn(n, 8) for n in (4, 4, 6)], progress=False, dashboard=True)
+for x in tracker:
+    y = torch.tanh(x @ w).sum()
+n1, e1 = count(), compiles.event_count()
+def body(x):
+    return torch.relu(x @ w)
+for batches, shapes in (([torch.randn(3, 8)], None), ([torch.randn(7, 8)], [7])):
+    for x in tpukit.track(batches, progress=False, shapes=shapes):
+        body(x)
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_line_magic('load_ext', 'tpukit')
+shell.push({'torch': torch, 'rt': rt})
+assert shell.run_cell('def f(n):\\n    return torch.sigmoid(torch.randn(n, 5, device=rt.device)).sum()', store_history=True).success
+assert shell.run_cell('for n in (2, 2, 9):\\n    f(n)', store_history=True).success
+assert shell.run_cell('%%xla\\nz = torch.exp(torch.randn(3, 7, device=rt.device))', store_history=True).success
+n2 = count()
+eager_mode(False)
+stack = [type(m).__name__ for m in torch.overrides._get_current_function_mode_stack()]
+lazy = torch.cos(torch.randn(5, 3, device=rt.device)).sum()
+tpukit._xla.sync()
+evs = compiles.events_since(e0)
+s = tracker.summary()
+from tpukit.widgets import render
+rows = dict(render.counter_rows(tracker.dashboard.state.view()))
+print('RESULT', json.dumps({
+    'metric': [n1 - n0, n2 - n0], 'active': eager.active(), 'stack': stack,
+    'steps': [[r.compiles, r.eager_compiles, [e.describe() for e in r.compile_events]] for r in tracker.history],
+    'all': [e.describe() for e in evs], 'eager_events': sum(e.eager for e in evs), 'loop_events': e1 - e0,
+    'eager': s['eager_compiles'], 'note': s['eager_note'], 'rows': rows}))
+"""
+
+
+def test_eager_mode_compiles_are_named_at_the_users_lines(tmp_path):
+    """Eager mode's per-op compiles (no compile analysis from torch_xla) are published by tpukit.eager as compile
+    events at the user's line with the op's name, in a file and in cells, classified by place: new graph, a shape
+    change a recompilation naming the shapes, a declared shape expected; the counts equal EagerOpCompileTime; after
+    eager mode is switched off nothing watches the ops any more."""
+    script = tmp_path / "loop.py"
+    script.write_text(EAGER_LOOP)
+    out = run_python(f"exec(compile(open({str(script)!r}).read(), {str(script)!r}, 'exec'))",
+                     env={"PJRT_DEVICE": "CPU", "TPUKIT_DASHBOARD": "text"})
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.split("RESULT ", 1)[1])
-    first = r["steps"][0][0]
-    assert first >= 3 and r["metric"] == first == r["eager"], r  # mm, tanh, sum: one graph each, all eager
-    assert r["steps"] == [[first, first, 0], [0, 0, 0], [0, 0, 0]], r  # the same ops again: cached
-    assert r["note"] == f"{first} of the compiles: {compiles.EAGER_NOT_ATTRIBUTED}", r
-    assert "not attributed to a line" in r["note"] and "no compilation analysis" in r["note"]
-    assert r["rows"]["compiles"].startswith(f"{first} (") and r["rows"]["eager-mode ops"].startswith(
-        f"{first} compiled one by one: counted, not attributed to a line"), r["rows"]  # the dashboard
     report = out.stdout.split("RESULT ", 1)[0]
-    assert re.search(r"%%xla: \d+ compiles? \([\d.]+ s, \d+ eager-mode ops?\)", report), report
-    assert f": {compiles.EAGER_NOT_ATTRIBUTED})" in report, report
+    (c1, e1, ev1), (c2, e2, ev2), (c3, e3, ev3) = r["steps"]
+    assert c1 == e1 == len(ev1) >= 3 and (c2, e2, ev2) == (0, 0, []), r["steps"]  # matmul, tanh, sum; then cached
+    assert all(d.startswith("new graph: eager op ") for d in ev1), ev1  # the tracker's .to(device) at line 12
+    assert sum(" at loop.py:13 in <module> " in d for d in ev1) >= 3, ev1
+    assert {d.split(" at ")[0] for d in ev1} >= {"new graph: eager op matmul", "new graph: eager op tanh",
+                                                 "new graph: eager op sum"}, ev1
+    assert c3 == e3 == len(ev3) >= 3 and all(d.startswith("recompilation: eager op ") for d in ev3), ev3
+    assert any("matmul: (4, 8) -> (6, 8)" in d for d in ev3) and any("tanh: (4, 5) -> (6, 5)" in d for d in ev3)
+    assert r["metric"][0] == r["eager"] == c1 + c3 == r["loop_events"], r  # counts equal torch_xla's metric
+    assert r["metric"][1] == r["eager_events"], r  # every eager compile is one event, in cells too
+    body = [d for d in r["all"] if "at loop.py:16 in body" in d]
+    assert any(d.startswith("new graph: eager op matmul") for d in body), body
+    assert any(d.startswith("expected compile: eager op matmul") and "matmul: (3, 8) -> (7, 8)" in d
+               and "a declared shape" in d for d in body), body
+    cell = [d for d in r["all"] if " at cell [1] line 2 " in d]
+    assert any(d.startswith("new graph: eager op sigmoid") for d in cell), r["all"]
+    assert any(d.startswith("recompilation: eager op sigmoid") and "sigmoid: (2, 5) -> (9, 5)" in d for d in cell)
+    assert re.search(r"new graph: eager op exp at cell \[3\] line 2 \(1 -> 1\), [\d.]+ s: first graph here", report)
+    assert not r["active"] and "EagerOps" not in r["stack"], r  # lazy mode: no per-op hook left
+    assert not any("eager op cos" in d for d in r["all"]) and r["all"][-1].startswith("new graph: step graph at loop.py:31")
+    assert r["note"].startswith(f"{r['eager']} of the compiles: {compiles.EAGER_NOTE}: eager op ")
+    assert "eager op matmul at loop.py:13 in <module>" in r["note"], r["note"]
+    assert r["rows"]["eager-mode ops"].startswith(f"{r['eager']} compiled one by one: ") and (
+        "matmul at loop.py:13 in <module>" in r["rows"]["eager-mode ops"]), r["rows"]  # the dashboard

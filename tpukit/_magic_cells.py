@@ -142,7 +142,7 @@ def compile_line(ev: Any, where: str | None = None, trusted: bool = True, hint: 
         text += ": " + "; ".join(evidence)
     if trusted and hint and ev.hint:
         text += f". {ev.hint[0].upper()}{ev.hint[1:]}"
-    return text + f" [graph {ev.graph_hash[:8] or '?'}]"
+    return text + ("" if getattr(ev, "eager", False) else f" [graph {ev.graph_hash[:8] or '?'}]")
 
 
 def _classified(first: int, patience: float = 2.5) -> list:
@@ -175,9 +175,6 @@ def _cell_event_lines(events: list, sync_from: int, number: int, delta: Any) -> 
             hints.add(ev.hint)
     if not lines and delta.compiles and not compiles.tracing_enabled():
         lines.append(f"  ({_NO_TRACING})")
-    eager = getattr(delta, "eager_compiles", 0)  # a metrics.Delta has it
-    if eager:
-        lines.append(f"  ({plural(eager, 'compile')}: {compiles.EAGER_NOT_ATTRIBUTED})")
     return lines
 
 
@@ -343,8 +340,6 @@ class Watch:
                 text += f" (+{len(rest)} more: {counts})"
         elif delta.compiles and not compiles.tracing_enabled():
             text += " — causes unavailable (compile tracing is off)"
-        elif delta.eager_compiles:
-            text += " — not attributed: torch_xla writes no compilation analysis for eager-mode ops"
         return text
 
     def _fail(self, exc: Exception) -> None:

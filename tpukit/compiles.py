@@ -26,9 +26,8 @@ PENDING = "compile"  # kind of an event not classified yet (still compiling)
 _LABELS = {classify.NEW: "new graph", classify.EXPECTED: "expected compile",
            classify.RECOMPILATION: "recompilation", PENDING: "compile"}
 FORCED_CAUSE = "access tensor value"
-# Why eager mode's compiles have no events: torch_xla's debug output returns early for them.
-EAGER_NOT_ATTRIBUTED = ("eager mode compiles op by op: counted per op, not attributed to a line, because "
-                        "torch_xla writes no compilation analysis for eager-mode ops (no cause, graph or frame)")
+# Eager mode's compiles are seen by tpukit.eager (torch_xla writes no compilation analysis for them).
+EAGER_NOTE = "eager mode compiles op by op, each named at its line"
 @dataclass(frozen=True)
 class CompileEvent:
     """One graph compilation: when, why, which graph, and the code that triggered it."""
@@ -120,7 +119,12 @@ class CompileEvent:
         size = f" ({self.graph.size})" if self.graph is not None else f" ({self.inputs} -> {self.outputs})"
         read = self.read_frame
         at = f"{read}, called from {self.where}" if read is not None else self.where
-        return f"{self.cut} graph at {at}{size}"
+        return f"{self.cause if self.eager else self.cut + ' graph'} at {at}{size}"
+
+    @property
+    def eager(self) -> bool:
+        """True for one op compiled by eager mode (seen by tpukit.eager, no graph hash or HLO)."""
+        return self.cause.startswith("eager op ")
 
     @property
     def label(self) -> str:
@@ -135,7 +139,7 @@ class CompileEvent:
             text += ": " + "; ".join(self.evidence)
         if self.hint:
             text += f". {self.hint[0].upper()}{self.hint[1:]}"
-        return text + f" [graph {self.graph_hash[:8]}]"
+        return text + ("" if self.eager else f" [graph {self.graph_hash[:8]}]")
 
 
 # ----------------------------------------------------------------- cell mapping
@@ -165,6 +169,7 @@ class CompileLog:
         self._next_graph = 0  # first graph of self.hlo.graphs not matched to an event yet
         self._ended_at: dict[int, float] = {}
         self._unsettled: set[int] = set()  # indices of events not classified yet
+        self._lazy: dict[int, int] = {}  # event index -> its rank among traced compiles (CompileTime's count)
 
     @property
     def enabled(self) -> bool:
@@ -228,7 +233,7 @@ class CompileLog:
             return
         done = _compile_count()
         for e in running:
-            if e.index < done:
+            if self._lazy[e.index] < done:
                 self._events[e.index] = ev = dataclasses.replace(e, end=now)
                 changed.append(ev)
 
@@ -272,10 +277,24 @@ class CompileLog:
         ev = CompileEvent(index=len(self._events), start=now, end=None, cause=fields["cause"],
                           graph_hash=fields["graph_hash"], inputs=fields["inputs"],
                           outputs=fields["outputs"], frames=frames, analysis="\n".join(block).strip())
+        self._lazy[ev.index] = len(self._lazy)
         self._events.append(ev)
         self._unsettled.add(ev.index)
         self._event_inputs[ev.index] = self.inputs
         return ev
+
+    def add_seen(self, cause: str, frames: tuple[Frame, ...], counts: tuple[int, int], place: tuple,
+                 inputs: classify.Signature, start: float, end: float) -> CompileEvent:
+        """Publish a finished compile that tpukit saw itself (an eager-mode op), classified at once at
+        ``place`` with ``inputs`` (the op's tensors) as the batch; numbered after the traced ones so far."""
+        with self._lock:
+            found = self.classifier.classify(place, None, inputs, counts, self.declared)
+            ev = CompileEvent(index=len(self._events), start=start, end=end, cause=cause, graph_hash="",
+                              inputs=counts[0], outputs=counts[1], frames=frames, kind=found.kind,
+                              evidence=found.evidence, hint=found.hint,
+                              recompilation=found.kind == classify.RECOMPILATION)
+            self._events.append(ev)
+        return self._notify([ev])[0]
 
     def _match_graphs(self) -> None:
         """Pair events with the HLO modules XLA dumped, in compile order, checking the

@@ -36,7 +36,7 @@ class Counts:
     """The counters a Snapshot holds and a Delta differences (times in seconds)."""
 
     compiles: int = 0  # uncached: a new graph was compiled (eager mode's per-op compiles included)
-    eager_compiles: int = 0  # of those, single ops compiled by eager mode (no cause or line known)
+    eager_compiles: int = 0  # of those, single ops compiled by eager mode (tpukit.eager names their lines)
     cached_compiles: int = 0  # graph found in the in-memory cache
     compile_time: float = 0.0
     executions: int = 0
@@ -151,9 +151,10 @@ def _samples(metric_datas: list) -> list[tuple[float, float]]:
     return [(float(t), float(v) * NS) for d in metric_datas if d for t, v in d[2]]
 
 
-def compile_samples() -> list[tuple[float, float]]:
-    """``[(end_unix_time, seconds), ...]`` of recent compilations (torch_xla keeps a bounded window)."""
-    data = _xla.metric_data("CompileTime")
+def compile_samples(metric: str = "CompileTime") -> list[tuple[float, float]]:
+    """``[(end_unix_time, seconds), ...]`` of recent compilations (torch_xla keeps a bounded window);
+    eager mode's per-op ones with ``metric="EagerOpCompileTime"``."""
+    data = _xla.metric_data(metric)
     if not data:
         return []
     return [(float(t), float(v) * NS) for t, v in data[2]]
@@ -176,7 +177,7 @@ def table(d: Snapshot | Delta, full: bool = False) -> list[tuple[str, str]]:
         (".item() reads", str(d.item_reads)),
         ("syncs (MarkStep)", str(d.syncs)),
     ]
-    if full or d.eager_compiles:  # counted per op; torch_xla writes no analysis to attribute them
+    if full or d.eager_compiles:  # counted per op; their events come from tpukit.eager
         rows.insert(1, ("of them eager-mode ops", str(d.eager_compiles)))
     if full or d.cache_hits or d.cache_misses:
         rows.append(("persistent cache hits / misses", f"{d.cache_hits} / {d.cache_misses}"))

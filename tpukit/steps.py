@@ -33,7 +33,7 @@ class StepRecord:
     start: float
     end: float
     compiles: int = 0
-    eager_compiles: int = 0  # of those, eager mode's per-op ones (no events: compiles.EAGER_NOT_ATTRIBUTED)
+    eager_compiles: int = 0  # of those, eager mode's per-op ones (their events: cause "eager op <name>")
     compile_time: float = 0.0
     executions: int = 0
     execute_time: float = 0.0

@@ -183,14 +183,15 @@ class Tracker:
         return steps.bottleneck(self.history, self.settled_after(), self.tail_wait, self.tail_device)
 
     def summary(self) -> dict:
-        """Steps, compiles by kind (eager mode's per-op compiles apart, with why they have no
-        kind), when the loop settled, median step time, the bottleneck with its measured shares,
-        and the last scalars of the loop."""
+        """Steps, compiles by kind (eager mode's per-op compiles among them, also counted apart with
+        their ops and lines), when the loop settled, median step time, the bottleneck with its
+        measured shares, and the last scalars of the loop."""
         h = self.history
         steady = [r.wall for r in h if r.compiles == 0] or [r.wall for r in h]
         kinds = [e.kind for r in h for e in r.compile_events]
         v = self.verdict()
         eager = sum(r.eager_compiles for r in h)
+        places = list(dict.fromkeys(f"{e.cause} at {e.where}" for r in h for e in r.compile_events if e.eager))
         return {
             "steps": len(h),
             "compiles": sum(r.compiles for r in h),
@@ -198,7 +199,7 @@ class Tracker:
             "new_graphs": kinds.count("new graph"),
             "expected_compiles": kinds.count("expected"),
             "eager_compiles": eager,
-            "eager_note": f"{eager} of the compiles: {compiles.EAGER_NOT_ATTRIBUTED}" if eager else None,
+            "eager_note": f"{eager} of the compiles: {compiles.EAGER_NOTE}: {', '.join(places)}" if eager else None,
             "settled_after": self.settled_after(),
             "median_step_s": statistics.median(steady) if steady else math.nan,
             "total_s": (self.finished or time.time()) - (self.started or time.time()),

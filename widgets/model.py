@@ -90,7 +90,8 @@ class View:
     settled_after: int | None = None
     tracked: bool = False        # a tracked loop fed this dashboard (warm-up and verdict are known)
     loop_done: bool = False      # ... and it has ended
-    eager_compiles: int = 0      # of ``compiles``: eager mode's per-op compiles (counted, not attributed)
+    eager_compiles: int = 0      # of ``compiles``: eager mode's per-op compiles (each also an event)
+    eager_places: tuple = ()     # their ops and lines, first seen first: ("linear at train.py:12 in step", ...)
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,7 @@ class DashboardState:
         self._fallbacks: dict[str, int] = {}
         self._max_event = -1
         self._n_events = 0
+        self._eager_places: dict[str, None] = {}  # "op at line" of eager-mode compiles, in order
         self._compiling = None
         self._alerts: deque = deque(maxlen=max_alerts)
         self._graphs: deque = deque(maxlen=max_alerts)
@@ -242,6 +244,8 @@ class DashboardState:
         if ev.index > self._max_event:
             self._max_event = ev.index
             self._n_events += 1
+        if getattr(ev, "eager", False):
+            self._eager_places[f"{ev.cause[len('eager op '):]} at {ev.where}"] = None
         if ev.end is None:
             if self._compiling is None or ev.index >= self._compiling.index:
                 self._compiling = ev
@@ -382,7 +386,8 @@ class DashboardState:
                     scalars=scalars, now=text, now_kind=kind, alerts=alerts,
                     alerts_total=counts[RECOMPILATION], note=note, new_graphs=counts[NEW],
                     expected=counts[EXPECTED], graphs=graphs, verdict=verdict, settled_after=settled,
-                    tracked=tracked, loop_done=loop_done, eager_compiles=s["eager_compiles"])
+                    tracked=tracked, loop_done=loop_done, eager_compiles=s["eager_compiles"],
+                    eager_places=tuple(self._eager_places))
 
     def timeline(self) -> Timeline:
         """Copies of the per-step columns and scalar curves for the plot."""

@@ -87,9 +87,10 @@ def counter_rows(v: View) -> list[tuple[str, str]]:
             ("recompilations", str(v.recompilations)),
             ("new graphs", str(v.new_graphs)),
             ("expected compiles", str(v.expected))]
-    if v.eager_compiles:  # no events to classify: torch_xla writes no analysis for eager-mode ops
-        rows.append(("eager-mode ops", f"{v.eager_compiles} compiled one by one: counted, not attributed to a "
-                                       "line (torch_xla writes no compilation analysis for eager ops)"))
+    if v.eager_compiles:  # each also a compile event, named at its line (tpukit.eager)
+        more = len(v.eager_places) - 4
+        places = ", ".join(v.eager_places[:4]) + (f" (+{more} more)" if more > 0 else "")
+        rows.append(("eager-mode ops", f"{v.eager_compiles} compiled one by one" + (f": {places}" if places else "")))
     warmup = warmup_text(v)
     if warmup:
         rows.append(("warm-up", warmup))
@@ -247,7 +248,7 @@ def text_report(v: View, runtime: Any = None, summary: bool = True) -> str:
         text += f": {'; '.join(a.evidence) or a.cause}"
         if a.hint:
             text += f". {_sentence(a.hint)}"
-        lines.append(text + f" [graph {a.graph_hash[:8]}]")
+        lines.append(text + (f" [graph {a.graph_hash[:8]}]" if a.graph_hash else ""))  # eager ops have none
     if v.alerts_total > len(v.alerts):
         lines.append(f"  ... {plural(v.alerts_total - len(v.alerts), 'earlier recompilation')} not shown")
     for g in v.graphs:
