@@ -105,6 +105,8 @@ def test_the_slice_view_listens_until_closed_and_prints_its_table(capsys):
     events.call("on_step", step(1, 0.1, host=0))
     events.call("on_step", step(1, 0.3, host=1))
     events.call("on_compile", compile_event(1, host=1))
+    assert repr(view).startswith("<tpukit SliceView live: slice: 2 of 2 hosts reporting")
+    assert "slowest host 1" in view._repr_html_()  # what a notebook shows for the object itself
     view.close()
     assert view not in events.listeners()
     out = capsys.readouterr().out
@@ -153,3 +155,33 @@ def test_a_hosts_traceback_reads_like_the_notebooks_own():
         '  File "/somewhere/else.py", line 5, in g',
         "    already = 'shown'",
         "ValueError: no"]
+
+
+def test_a_dead_hosts_last_output_is_read_from_where_it_was_sent_so_far(tmp_path):
+    files = hosts.output_files(4242, str(tmp_path))
+    with open(files["stdout"], "wb") as f:
+        f.write("sent already\nlast words: out of memory\n".encode())
+    with open(files["stderr"], "wb") as f:
+        f.write(b"")
+    assert hosts.read_output(4242, {"stdout": len(b"sent already\n")}, str(tmp_path)) == {
+        "stdout": "last words: out of memory\n", "stderr": ""}
+    assert not any(tmp_path.iterdir()), "the files are removed once read"
+    assert hosts.read_output(4242, {}, str(tmp_path)) == {}  # nothing there: nothing to show
+
+
+def test_output_files_of_hosts_long_gone_are_removed_and_no_others(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    old, recent, alive = (hosts.output_files(pid, str(tmp_path))["stdout"] for pid in (dead_pid, dead_pid + 10**7, os.getpid()))
+    for path in (old, recent, alive):
+        open(path, "w").close()
+    long_ago = time.time() - hosts._STALE_S - 60
+    os.utime(old, (long_ago, long_ago))
+    os.utime(alive, (long_ago, long_ago))
+    hosts._remove_stale(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(os.path.basename(p) for p in (recent, alive))

@@ -70,12 +70,13 @@ def assert_nothing_left_running() -> None:
 
 @pytest.fixture(scope="module")
 def local_slice():
-    sim = tpukit.LocalSlice(TOPOLOGY, VERSION, devices_per_host=2).start()
-    ray.init(address=sim.address, log_to_driver=False)
-    ray_processes = [p for p in _descendants() if "ray" in _cmdline(p)]
-    assert ray_processes, "the simulated slice started no Ray process"
-    yield sim
-    sim.shutdown()
+    with tpukit.LocalSlice(TOPOLOGY, VERSION, devices_per_host=2) as sim:  # started; stopped at the end
+        assert repr(sim).startswith("<LocalSlice v5litepod-16 (4x4): 4 hosts × 2 XLA:CPU devices, running at ")
+        ray.init(address=sim.address, log_to_driver=False)
+        ray_processes = [p for p in _descendants() if "ray" in _cmdline(p)]
+        assert ray_processes, "the simulated slice started no Ray process"
+        yield sim
+    assert not ray.is_initialized() and sim.session_dir is None
     gone, alive = psutil.wait_procs(ray_processes, timeout=60)
     assert not alive, f"Ray processes still alive after LocalSlice.shutdown(): {[_cmdline(p) for p in alive]}"
 
@@ -135,6 +136,18 @@ def fail_on_host_two():
         print("host two is about to fail")
         raise ValueError("host 2 cannot go on")
     time.sleep(600)  # the others would wait here for a long time: they must be cancelled
+
+
+def crash_on_host_one():
+    import os
+    import time
+
+    from tpukit import hosts
+
+    if hosts.current().index == 1:
+        print("host one goes down", flush=True)
+        os._exit(3)  # what an out-of-memory kill or a segfault looks like from outside: no exception, no result
+    time.sleep(600)
 
 
 def report_then_wait():
@@ -248,6 +261,15 @@ def test_a_raising_host_shows_its_traceback_and_the_others_are_cancelled(local_s
     assert "tpukit/hosts.py" not in message, "the traceback should start at the user's function"
     assert "[host 2] host two is about to fail" in capsys.readouterr().out
     assert_nothing_left_running()  # the other three hosts would sleep for 10 minutes if not cancelled
+
+
+def test_a_host_that_dies_ends_the_run_and_the_others_are_cancelled(local_slice, capsys):
+    with pytest.raises(tpukit.SliceError, match=r"(?s)^host 1's task died without a result \(.*\): a crash, os._exit or "
+                                                r"out of memory; its output above may say why; the other hosts' "
+                                                r"tasks were cancelled\.$"):
+        tpukit.run_on_slice(crash_on_host_one)
+    assert "[host 1] host one goes down" in capsys.readouterr().out
+    assert_nothing_left_running()
 
 
 def test_ctrl_c_cancels_the_slice(local_slice):

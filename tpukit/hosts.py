@@ -22,6 +22,7 @@ import os
 import queue
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -47,6 +48,9 @@ ALIASES = {"v5e": "v5litepod", "v5lite": "v5litepod", "v5litepod": "v5litepod", 
 _TICK_S = 0.2        # how often the host pumps its queue while the function runs
 _POLL_COMPILES_S = 1.0
 _DRAIN_S = 2.0       # how long to wait for the last output after the function returned
+_TAIL_S = 0.05       # how often a host's output files are read
+_STALE_S = 600.0     # a dead host process's output files are removed after this long (cancelled runs)
+OUTPUT_DIR = os.path.join(tempfile.gettempdir(), "tpukit-hosts")  # each host's output while its function runs
 
 
 @dataclass(frozen=True)
@@ -167,25 +171,74 @@ class _Forward:
         self.put(("compile", tag_event(event, self.host)))
 
 
+def output_files(pid: int, folder: str | None = None) -> dict[str, str]:
+    """Where host process ``pid`` writes its stdout and stderr while its function runs."""
+    folder = folder or OUTPUT_DIR
+    return {name: os.path.join(folder, f"{pid}.{name}") for name in ("stdout", "stderr")}
+
+
+def read_output(pid: int, offsets: Mapping[str, int], folder: str | None = None) -> dict[str, str]:
+    """What host process ``pid`` wrote past ``offsets`` (bytes sent so far, per stream), its files then
+    removed: the last words of a host that died before it could send them (run on that host's node)."""
+    out = {}
+    for name, path in output_files(pid, folder).items():
+        try:
+            with open(path, "rb") as f:
+                f.seek(offsets.get(name, 0))
+                out[name] = f.read().decode("utf-8", "replace")
+            os.remove(path)
+        except OSError:
+            continue
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's process
+    return True
+
+
+def _remove_stale(folder: str) -> None:
+    """Output files of host processes that are gone and were not read (the hosts of a cancelled run);
+    kept a while, so the notebook can still read a host that just died (:func:`read_output`)."""
+    cutoff = time.time() - _STALE_S
+    for entry in os.listdir(folder):
+        path, pid = os.path.join(folder, entry), entry.split(".", 1)[0]
+        try:
+            if pid.isdigit() and not _alive(int(pid)) and os.path.getmtime(path) < cutoff:
+                os.remove(path)
+        except OSError:
+            continue
+
+
 class _Capture:
-    """Points fds 1 and 2 (print, logging and C-level output alike) at pipes whose reader threads put
-    ``("out", host, "stdout"|"stderr", text)`` on the queue; puts everything back on exit."""
+    """Points fds 1 and 2 (print, logging and C-level output alike) at files on this host, which the
+    kernel writes, so a crash loses nothing; threads tail them and put ``("out", host, stream, text,
+    sent)`` on the queue (``sent``: bytes of the stream sent so far). Puts everything back on exit."""
 
     def __init__(self, put: Callable[[tuple], None], host: int):
         self.put, self.host = put, host
+        self.files = output_files(os.getpid())
         self.saved: list[tuple[int, int]] = []
         self.readers: list[threading.Thread] = []
         self.streams = (sys.stdout, sys.stderr)
+        self.done = threading.Event()
 
     def __enter__(self) -> "_Capture":
+        os.makedirs(OUTPUT_DIR, exist_ok=True)
+        _remove_stale(OUTPUT_DIR)
         for stream in self.streams:
             stream.flush()
         for fd, name in ((1, "stdout"), (2, "stderr")):
-            read_end, write_end = os.pipe()
+            target = os.open(self.files[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
             self.saved.append((fd, os.dup(fd)))
-            os.dup2(write_end, fd)
-            os.close(write_end)
-            reader = threading.Thread(target=self._read, args=(read_end, name), name=f"tpukit-host-{name}", daemon=True)
+            os.dup2(target, fd)
+            os.close(target)
+            reader = threading.Thread(target=self._tail, args=(name,), name=f"tpukit-host-{name}", daemon=True)
             reader.start()
             self.readers.append(reader)
         sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
@@ -193,16 +246,23 @@ class _Capture:
                                   for fd in (1, 2))
         return self
 
-    def _read(self, fd: int, name: str) -> None:
+    def _tail(self, name: str) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        try:
-            while data := os.read(fd, 65536):
-                if text := decoder.decode(data):
-                    self.put(("out", self.host, name, text))
-            if text := decoder.decode(b"", final=True):
-                self.put(("out", self.host, name, text))
-        finally:
-            os.close(fd)
+        sent = 0
+        with open(self.files[name], "rb", buffering=0) as f:
+            while True:
+                finished = self.done.is_set()  # one more read after the end was signalled
+                data = f.read(65536)
+                if data:
+                    sent += len(data)
+                    if text := decoder.decode(data):
+                        self.put(("out", self.host, name, text, sent))
+                elif finished:
+                    break
+                else:
+                    self.done.wait(_TAIL_S)
+        if text := decoder.decode(b"", final=True):
+            self.put(("out", self.host, name, text, sent))
 
     def __exit__(self, *exc: Any) -> None:
         for stream in (sys.stdout, sys.stderr):
@@ -211,11 +271,17 @@ class _Capture:
             except Exception:
                 pass
         sys.stdout, sys.stderr = self.streams
-        for fd, saved in self.saved:  # closes the pipes' last write ends: the readers see the end
+        for fd, saved in self.saved:
             os.dup2(saved, fd)
             os.close(saved)
-        for reader in self.readers:  # a child process that inherited fd 1 may keep its pipe open
+        self.done.set()
+        for reader in self.readers:
             reader.join(_DRAIN_S)
+        for path in self.files.values():
+            try:
+                os.remove(path)
+            except OSError:
+                pass
 
 
 def _user_traceback(exc: BaseException) -> str:
@@ -277,9 +343,7 @@ def _drain(q: "queue.SimpleQueue[tuple]") -> Iterator[tuple]:
             return
 
 
-def _host_index() -> int:
-    import ray
-
+def _host_index(ray: Any) -> int:
     label = ray.get_runtime_context().get_node_labels().get(WORKER_ID_LABEL)
     found = label if label is not None else os.environ.get("TPU_WORKER_ID")
     if found is None:
@@ -291,18 +355,20 @@ def _host_index() -> int:
 def slice_host(payload: bytes, plan: Mapping[str, Any]) -> Iterator[tuple]:
     """The Ray streaming task ``run_on_slice`` starts on every host of the slice.
 
-    Yields, in order: ``("hello", host, hostname, pid)``; then, while the user's function runs,
-    ``("out", host, stream, text)``, ``("step", HostStepRecord)`` and ``("compile", HostCompileEvent)``
+    Yields, in order: ``("hello", host, hostname, pid, node id)``; then, while the user's function runs,
+    ``("out", host, stream, text, sent)``, ``("step", HostStepRecord)`` and ``("compile", HostCompileEvent)``
     as they happen; last ``("done", host, pickled value)`` (the value on host 0 only) or
     ``("error", host, summary, traceback)``.
     """
-    host = _host_index()
+    import ray
+
+    host = _host_index(ray)
     always, defaults = host_env(host, plan)
     os.environ.update(always)
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
     q: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-    yield ("hello", host, socket.gethostname(), os.getpid())
+    yield ("hello", host, socket.gethostname(), os.getpid(), ray.get_runtime_context().get_node_id())
     outcome: dict = {}
     listener = events.add_listener(_Forward(q.put, host))
     try:

@@ -29,6 +29,7 @@ _WAIT_S = 0.5          # longest wait for a host's next message (Ctrl-C is seen 
 _CANCEL_GRACE_S = 30.0  # how long cancelled tasks get to end before the slice is released anyway
 _RELEASE_S = 30.0      # how long to wait for Ray to confirm the slice's placement groups are gone
 _FREE_WAIT_S = 5.0     # how long a busy-looking slice gets to show as free (Ray reports releases late)
+_LAST_WORDS_S = 30.0   # how long to wait for a dead host's last output
 _LINE = re.compile(r"(\r\n|\n|\r)")
 _FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+)(?P<rest>, in .*)$')
 _REMOTE: dict[str, Any] = {}  # the Ray remote function, made once per process
@@ -178,13 +179,14 @@ def _with_sources(text: str) -> str:
     return "\n".join(out)
 
 
-def _remote(ray: Any) -> Any:
-    """hosts.slice_host as a Ray streaming task: a fresh worker process per call (max_calls=1: its
-    runtime starts with this run's environment and releases the TPU when it exits), never retried."""
-    fn = _REMOTE.get("slice_host")
-    if fn is None:
-        fn = _REMOTE["slice_host"] = ray.remote(num_returns="streaming", max_calls=1, max_retries=0)(hosts.slice_host)
-    return fn
+def _remote(ray: Any, fn: Callable, **options: Any) -> Any:
+    """``fn`` as a Ray task, made once per process. Every one runs in a fresh worker process that exits
+    after it (max_calls=1: a host's runtime starts with this run's environment and releases the TPU
+    when it exits) and is never retried."""
+    task = _REMOTE.get(fn.__name__)
+    if task is None:
+        task = _REMOTE[fn.__name__] = ray.remote(max_calls=1, max_retries=0, **options)(fn)
+    return task
 
 
 class _Lines:
@@ -221,6 +223,8 @@ class _Run:
         self.count, self.timeout = count, timeout
         self.pending: dict[Any, int | None] = {}  # task generator -> host index (None until it said hello)
         self.finished: set = set()  # generators whose host sent its result
+        self.hello: dict[Any, tuple] = {}  # generator -> (host, pid, node id)
+        self.sent: dict[tuple[int, str], int] = {}  # (host, stream) -> bytes of output received
         self.lines = _Lines()
         self.value: Any = None
 
@@ -238,8 +242,8 @@ class _Run:
             if dashboard:
                 view = events.open_dashboard(hosts=self.count)
             try:
-                gens = tpu.run_on_slice(_remote(self.ray), self.payload, plan, tpu_slice=handle,
-                                        pg_ready_timeout_s=self.timeout)
+                gens = tpu.run_on_slice(_remote(self.ray, hosts.slice_host, num_returns="streaming"), self.payload,
+                                        plan, tpu_slice=handle, pg_ready_timeout_s=self.timeout)
             except Exception as exc:
                 raise SliceError(f"the {self.topology} slice's hosts did not become ready within {self.timeout:g} s: "
                                  f"{type(exc).__name__}: {exc}") from None
@@ -284,13 +288,19 @@ class _Run:
             if finished:  # its process exited (max_calls=1) as Ray recorded the end: the result is in
                 return
             who = f"host {host}" if host is not None else "a host"
+            cause = getattr(exc, "cause", None)  # a RayTaskError: the task's own code raised
+            if isinstance(cause, BaseException):
+                raise SliceError(f"{who}'s task failed: {type(cause).__name__}: {cause}{self._others()}.") from None
+            self._last_words(gen)
             raise SliceError(f"{who}'s task died without a result ({type(exc).__name__}: {str(exc).strip()}): a "
                              f"crash, os._exit or out of memory; its output above may say why{self._others()}.") from None
         kind = msg[0]
         if kind == "hello":
             self.pending[gen] = msg[1]
+            self.hello[gen] = (msg[1], msg[3], msg[4])
         elif kind == "out":
             self.lines.write(msg[1], msg[2], msg[3])
+            self.sent[(msg[1], msg[2])] = msg[4]
         elif kind == "step":
             events.call("on_step", msg[1])
         elif kind == "compile":
@@ -303,6 +313,23 @@ class _Run:
             self.lines.flush()
             detail = f". Its traceback:\n\n{_with_sources(msg[3]).rstrip()}" if msg[3] else "."
             raise SliceError(f"host {msg[1]} failed: {msg[2]}{self._others(gen)}{detail}")
+
+    def _last_words(self, gen: Any) -> None:
+        """Show what a host that died wrote but could not send: read on its node from its output files."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if gen not in self.hello:
+            return
+        host, pid, node = self.hello[gen]
+        offsets = {stream: self.sent.get((host, stream), 0) for stream in ("stdout", "stderr")}
+        task = _remote(self.ray, hosts.read_output, num_cpus=0)
+        try:
+            ref = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid, offsets)
+            for stream, text in self.ray.get(ref, timeout=_LAST_WORDS_S).items():
+                self.lines.write(host, stream, text)
+        except Exception as exc:  # the node itself may be gone
+            log.debug("tpukit.run_on_slice: could not read host %s's last output: %s", host, exc)
+        self.lines.flush()
 
     def _others(self, failed: Any = None) -> str:
         running = [g for g in self.pending if g is not failed and g not in self.finished]

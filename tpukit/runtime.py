@@ -28,7 +28,7 @@ DEVICE_CHOICES = ("auto", "tpu", "cpu")
 TRACE_LEVEL_ENV = "PT_XLA_DEBUG_LEVEL"
 TRACE_FILE_ENV = "PT_XLA_DEBUG_FILE"
 METRIC_SAMPLES_ENV, METRIC_SAMPLES = "XLA_METRICS_SAMPLES", "64"  # set it yourself to keep more
-RANK_ENV = "TPUKIT_REPLICA_RANK"  # set by tpukit.launch in independent replicas
+RANK_ENV = "TPUKIT_REPLICA_RANK"  # set by tpukit.launch in independent replicas, by run_on_slice on each host
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,8 @@ def resolve_device(req: Request, env: environment.Environment) -> str:
 def rank() -> int:
     """This replica's rank under ``tpukit.launch()``: the index passed to ``fn`` (torch_xla's global
     ordinal on TPU). 0 outside ``launch()`` and in SPMD, where one process drives all devices.
-    Independent XLA:CPU replicas each have a world of one, so ``rank()`` is what tells them apart."""
+    Independent XLA:CPU replicas each have a world of one, so ``rank()`` is what tells them apart.
+    Under ``tpukit.run_on_slice()`` it is the host index (one SPMD process per host)."""
     env = os.environ.get(RANK_ENV)
     if env:
         return int(env)
