@@ -4,8 +4,12 @@ One epoch of BERT sentiment fine-tuning, three ways, each cold in its own
 fresh process (torch_xla's graph cache lives as long as the process), in one
 run of this script:
 
-  tpukit           tpukit.data.BucketBatcher (bucket_lengths(64, 4) = 16/32/48/64,
-                   shuffled, iterated live inside the timed loop) + the BERT mask
+  tpukit           tpukit.data.BucketBatcher with the buckets tpukit.data.suggest_buckets
+                   picks for these lengths and this run (its default costs, measured on
+                   this machine by bench/advisor.py: 15 s a compile, 0.3 s + 0.8 ms a
+                   token a step; for one 50-step epoch it picks one bucket, [64]: a second
+                   would save less padding time than its compile costs), shuffled,
+                   iterated live inside the timed loop) + the BERT mask
                    recipe (bench/_bert_common.bert_inputs: the 4-D additive mask,
                    so transformers never reads ``attention_mask.all()``) +
                    tpukit.track + forward/backward/AdamW.step + tpukit.log
@@ -17,9 +21,10 @@ run of this script:
                    max_length=64): every batch padded to one fixed length, the
                    usual advice for TPUs
 
-and, to tell the padding choice from the loop, tpukit_fixed: the tpukit loop
-and mask recipe with every batch padded to 64 (BucketBatcher(buckets=[64])),
-i.e. the tuned Trainer's padding (``ratio_tuned_trainer_over_tpukit_fixed``).
+and, for reference, tpukit_equal_buckets: the same loop and mask recipe with the
+naive four equal buckets 16/32/48/64 (bucket_lengths(64, 4)) on the same examples
+(BucketBatcher drops the partial batch of each bucket, so it runs a few steps
+fewer): what the advisor's choice saves (``ratio_equal_buckets_over_advisor``).
 
 Same model (the offline all-MiniLM-L6-v2 BERT with a seeded 2-way head), same
 examples (the first BENCH_EXAMPLES of notebooks/data/sentiment_sample.tsv,
@@ -45,7 +50,7 @@ time to finish over tpukit's, from this one run.
 
 Trainer needs ``accelerate>=1.1.0``; without it the result says so instead of a ratio.
 
-    python bench/vs_trainer.py     # BENCH_EXAMPLES=800 (the whole sample): 784 kept, 49 steps
+    python bench/vs_trainer.py     # BENCH_EXAMPLES=800 (the whole sample)
 
 Run time: about 15 minutes on 2 free cores, nearly all of it the default
 Trainer compiling one graph per new batch length; more when the machine is busy.
@@ -65,9 +70,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bert_common as common  # noqa: E402
 
-WAYS = ("tpukit", "trainer_default", "trainer_tuned", "tpukit_fixed")
-NUM_BUCKETS = 4
-POOL = int(os.environ.get("BENCH_EXAMPLES", "800"))  # the whole sample: 784 kept = 49 steps
+WAYS = ("tpukit", "trainer_default", "trainer_tuned", "tpukit_equal_buckets")
+NUM_BUCKETS = 4  # the reference way's naive equal buckets
+POOL = int(os.environ.get("BENCH_EXAMPLES", "800"))  # the whole sample (800 examples)
 TARGETS = {"ratio_default_trainer_over_tpukit": 3.0, "ratio_tuned_trainer_over_tpukit": 1.0}
 
 
@@ -78,20 +83,21 @@ def plan() -> dict:
     texts, labels = common.load_sample(POOL)
     tok = common.tokenizer()
     ids = common.token_ids(tok, texts)
-    buckets = data.bucket_lengths(common.MAX_LENGTH, NUM_BUCKETS)
-    batcher = data.BucketBatcher(ids, labels, batch_size=common.BATCH, buckets=buckets, pad_id=tok.pad_token_id,
-                                 shuffle=True, seed=common.SEED, drop_last=True)
+    advice = data.suggest_buckets([len(i) for i in ids], common.BATCH, max_length=common.MAX_LENGTH)
+    batcher = data.BucketBatcher(ids, labels, batch_size=common.BATCH, buckets=list(advice.buckets),
+                                 pad_id=tok.pad_token_id, shuffle=True, seed=common.SEED, drop_last=True)
     kept = sorted(i for _, idx in batcher.plan() for i in idx)
-    return {"tok": tok, "ids": ids, "labels": labels, "buckets": buckets, "batcher": batcher, "kept": kept}
+    return {"tok": tok, "ids": ids, "labels": labels, "buckets": list(advice.buckets), "advice": advice.explain(),
+            "batcher": batcher, "kept": kept}
 
 
-def run_tpukit(rt, p: dict, fixed: bool = False) -> dict:
+def run_tpukit(rt, p: dict, equal_buckets: bool = False) -> dict:
     from tpukit import data
 
     batcher = p["batcher"]
-    if fixed:  # the same kept examples, all padded to the maximum length
+    if equal_buckets:  # the same kept examples in the naive equal buckets
         batcher = data.BucketBatcher([p["ids"][i] for i in p["kept"]], [p["labels"][i] for i in p["kept"]],
-                                     batch_size=common.BATCH, buckets=[common.MAX_LENGTH],
+                                     batch_size=common.BATCH, buckets=data.bucket_lengths(common.MAX_LENGTH, NUM_BUCKETS),
                                      pad_id=p["tok"].pad_token_id, shuffle=True, seed=common.SEED, drop_last=True)
     waste = data.padding_stats(batcher).waste  # built once here, outside the timed loop
     model = common.make_model(rt.device)
@@ -220,10 +226,10 @@ def child(way: str, out: str) -> None:
     try:
         p = plan()
         if way.startswith("tpukit"):
-            result = run_tpukit(rt, p, fixed=(way == "tpukit_fixed"))
+            result = run_tpukit(rt, p, equal_buckets=(way == "tpukit_equal_buckets"))
         else:
             result = run_trainer(rt, p, tuned=(way == "trainer_tuned"))
-        result.update(examples=len(p["kept"]), dropped_by_batcher=p["batcher"].dropped)
+        result.update(examples=len(p["kept"]), dropped_by_batcher=p["batcher"].dropped, advice=p["advice"])
     except Exception as exc:  # report why, do not just crash
         import traceback
 
@@ -262,8 +268,8 @@ def main() -> int:
             print(f"  {way} did not run: {r.get('error')}", flush=True)
 
     results = common.keep_raw(results)
-    tp, dflt, tuned, fx = (results["tpukit"], results["trainer_default"], results["trainer_tuned"],
-                           results["tpukit_fixed"])
+    tp, dflt, tuned, eq = (results["tpukit"], results["trainer_default"], results["trainer_tuned"],
+                           results["tpukit_equal_buckets"])
     result: dict = {
         "ratio_default_trainer_over_tpukit": None,
         "ratio_tuned_trainer_over_tpukit": None,
@@ -276,12 +282,13 @@ def main() -> int:
             "batch_size": common.BATCH, "max_length": common.MAX_LENGTH, "epochs": 1,
             "optimizer": f"torch AdamW lr {common.LR}, betas (0.9, 0.999), eps 1e-8, weight_decay 0, constant lr, "
                          f"no warm-up, no clipping",
-            "tpukit": "BucketBatcher(bucket_lengths(64, 4)) + 4-D additive attention mask + tpukit.track",
+            "tpukit": f"BucketBatcher(buckets=suggest_buckets(...)) = {tp.get('buckets')} + 4-D additive attention "
+                      f"mask + tpukit.track; the advisor: {tp.get('advice')}",
             "trainer_default": "Trainer(..., processing_class=tokenizer): default DataCollatorWithPadding "
                                "(dynamic padding), random sampler, 2-D mask",
             "trainer_tuned": f"Trainer with DataCollatorWithPadding(padding='max_length', max_length={common.MAX_LENGTH})",
-            "tpukit_fixed": f"the tpukit loop and mask recipe, every batch padded to {common.MAX_LENGTH} (not a target; "
-                            "separates the padding choice from the loop)",
+            "tpukit_equal_buckets": "the tpukit loop and mask recipe with the naive equal buckets "
+                                    f"{eq.get('buckets')} on the same examples (reference, not a target)",
             "timing": "time to finish = tpukit's tracked loop / trainer.train(), both incl. compilation; Trainer "
                       "construction (moves the model to the device) reported as setup_s; each way cold in its own "
                       "process, one after the other in one run",
@@ -296,8 +303,7 @@ def main() -> int:
             ratio_tuned_trainer_over_tpukit=r_tun,
             ratio_default_trainer_over_tpukit_cpu=dflt["cpu_s"] / tp["cpu_s"],
             ratio_tuned_trainer_over_tpukit_cpu=tuned["cpu_s"] / tp["cpu_s"],
-            ratio_tuned_trainer_over_tpukit_fixed=tuned["total_s"] / fx["total_s"],
-            ratio_tuned_trainer_over_tpukit_fixed_cpu=tuned["cpu_s"] / fx["cpu_s"],
+            ratio_equal_buckets_over_advisor=eq["total_s"] / tp["total_s"],
             targets_met={"ratio_default_trainer_over_tpukit >= 3": r_def >= 3.0,
                          "ratio_tuned_trainer_over_tpukit >= 1.0": r_tun >= 1.0},
             time_to_finish_s={w: r["total_s"] for w, r in results.items()},
@@ -307,7 +313,7 @@ def main() -> int:
             compile_time_s={w: r["compile_time_s"] for w, r in results.items()},
             trainer_setup_s={w: results[w]["setup_s"] for w in ("trainer_default", "trainer_tuned")},
             why={"default": why("default Trainer", tp, dflt), "tuned": why("tuned Trainer", tp, tuned),
-                 "tuned_vs_fixed": why("tuned Trainer vs tpukit at length 64", fx, tuned)},
+                 "equal_buckets": why("tpukit with 4 equal buckets", tp, eq)},
             trainer_ran_on=f"{tuned['model_device']} (distributed_type {tuned['distributed_type']}, "
                            f"train dataloader {tuned['train_dataloader']}, accelerate {tuned['accelerate']})",
         )
@@ -329,9 +335,8 @@ def main() -> int:
               f"{result['ratio_default_trainer_over_tpukit_cpu']:.2f})")
         print(f"ratio tuned Trainer / tpukit:   {r_tun:.2f} (target >= 1.0; cpu time "
               f"{result['ratio_tuned_trainer_over_tpukit_cpu']:.2f})")
-        print(f"ratio tuned Trainer / tpukit padded to {common.MAX_LENGTH} (same padding, loop + mask recipe only): "
-              f"{result['ratio_tuned_trainer_over_tpukit_fixed']:.2f} (cpu time "
-              f"{result['ratio_tuned_trainer_over_tpukit_fixed_cpu']:.2f})")
+        print(f"tpukit's buckets {tp['buckets']}: {tp['advice']}")
+        print(f"ratio tpukit with 4 equal buckets / with the advisor's: {result['ratio_equal_buckets_over_advisor']:.2f}")
         for text in result["why"].values():
             print("  " + text)
     else:
