@@ -10,7 +10,7 @@ ways interleaved in rotating order):
 
 * **tpukit**: ``tpukit.checkpoint.save(state, path)`` (streams tensor by tensor:
   skeleton archive, each tensor copied to the host and pwritten at its offset,
-  then fsync + sha256 read-back + manifest);
+  then fsync + manifest; the sha256 is computed while writing);
 * **xm.save**: ``torch_xla.core.xla_model.save(state, path)`` (copies the whole
   state to the CPU in one batch, then ``torch.save``);
 * **torch.save**: ``torch.save({k: v.cpu() for k, v in state.items()}, path)``,
@@ -225,8 +225,10 @@ class Phases:
         self.wrap(stream, "_locate", "locate offsets (torch.load mmap)")
         self.wrap(_xla, "to_cpu", "device->host copy (_xla_get_cpu_tensors)",
                   lambda ts, **k: sum(t.numel() * t.element_size() for t in ts))
-        self.wrap(stream, "_pwrite_all", "pwrite tensor data",
-                  lambda fd, t, off: t.numel() * t.element_size())
+        self.wrap(stream, "_pwrite_all", "pwrite tensor data", lambda fd, data, off: len(data))
+        self.wrap(stream, "_hash_range", "sha256 of the archive headers (read back)")
+        self.wrap(stream.zlib, "crc32", "CRC-32 of each record (zip data descriptors)")
+        self.wrap(stream, "_crc_fields", "locate CRC fields (zip central directory)")
         self.wrap(files, "hash_file", "sha256 read-back (hash_file)")
         real_fsync = os.fsync
 
@@ -465,7 +467,7 @@ def main() -> int:
                        "a tiny save of the same way first (warm-up)",
             "torch.save": "torch.save({k: v.cpu() for k, v in state.items()}, path)",
             "xm.save": "torch_xla.core.xla_model.save(state, path)",
-            "tpukit": "tpukit.checkpoint.save(state, path) (includes fsync + sha256 read-back + manifest)",
+            "tpukit": "tpukit.checkpoint.save(state, path) (includes fsync, sha256 and CRC-32 computed while writing, manifest)",
             "fsync_after_s": "for xm.save and torch.save: an fsync of the file after the call, not in gb_per_s",
             "disk": f"{WORKDIR.relative_to(ROOT)} on {fstype}; files deleted and sync'ed between runs",
         },

@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..errors import CheckpointError
-from .stream import SAFETENSORS_DTYPES, host_copy, read_torch, write_safetensors, write_torch
+from .stream import SAFETENSORS_DTYPES, read_torch, write_safetensors, write_torch
 
 _STRUCTURE_KEY = "tpukit.structure"
 
@@ -99,17 +99,16 @@ def _is_numpy(obj: Any) -> bool:
 
 # --------------------------------------------------------------------------- payload formats
 
-def write_payload(state: Any, tmp: Path, weights_format: str,
-                  fetch: Callable[[torch.Tensor], torch.Tensor] = host_copy) -> tuple[int, str]:
+def write_payload(state: Any, tmp: Path, weights_format: str) -> tuple[int, str]:
     """Write ``state`` to the file ``tmp`` in ``weights_format`` ("torch" or "safetensors").
 
-    Tensors may live on XLA devices (already synced): ``fetch`` copies each one to
-    the host when its turn comes, so the save holds one tensor at a time. Returns
-    the file's byte size and sha256 (hashed as written; the file is fsynced).
+    Tensors may live on XLA devices (already synced): they are copied to the host a
+    group at a time as their turn comes, so the save never holds the whole state.
+    Returns the file's byte size and sha256 (hashed as written; the file is fsynced).
     """
     if weights_format == "torch":
-        return write_torch(state, tmp, fetch)
-    return write_safetensors(state, tmp, fetch, _STRUCTURE_KEY)
+        return write_torch(state, tmp)
+    return write_safetensors(state, tmp, _STRUCTURE_KEY)
 
 
 def read_payload(path: Path, weights_format: str) -> Any:

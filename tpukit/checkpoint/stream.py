@@ -17,10 +17,10 @@ Both formats are laid out first and filled in after:
 The sha256 of the file is computed as it is written (the small gaps between
 tensors read back, the tensors hashed from memory), so the 1 GB state is not read
 back to be hashed. Tensors that are one object, one XLA tensor or one CPU view are
-written once, so tied weights stay tied. An XLA tensor's copy to the host briefly
-takes twice its size (torch_xla converts through a second buffer), so the extra
-host memory of a save peaks near twice its largest tensor. Write errors are the
-real ``OSError`` (ENOSPC, EFBIG, ...).
+written once, so tied weights stay tied. The next tensor is copied from the device
+while one is written, and an XLA copy to the host briefly takes twice its size
+(torch_xla converts through a second buffer), so the extra host memory of a save
+peaks near three times its largest tensor. Write errors are the real ``OSError``.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ import struct
 import zipfile
 import zlib
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -93,22 +94,22 @@ def skeleton(state: Any) -> tuple[Any, list[Entry]]:
 
 
 def payload_bytes(state: Any) -> tuple[int, int]:
-    """(data bytes of the distinct tensors, peak host bytes while one is written) of ``state``.
+    """(data bytes of the distinct tensors, peak extra host bytes while they are written) of ``state``.
 
-    The peak is the largest tensor's size, twice it for a device tensor (its copy to
-    the host passes through a second buffer).
+    A streamed save holds the tensor it writes while the next one is copied from
+    the device, and torch_xla's copy to the host passes through a second buffer:
+    about three times the largest device tensor (once the largest CPU tensor).
     """
-    seen: dict[Any, tuple[int, int]] = {}
+    seen: dict[Any, tuple[int, bool]] = {}
     for _, t in tree_leaves(state, is_tensor):
-        size = t.numel() * t.element_size()
-        seen.setdefault(tensor_key(t), (size, 2 * size if _xla.is_xla_tensor(t) else size))
-    return sum(size for size, _ in seen.values()), max((peak for _, peak in seen.values()), default=0)
+        seen.setdefault(tensor_key(t), (t.numel() * t.element_size(), _xla.is_xla_tensor(t)))
+    largest = max((size for size, _ in seen.values()), default=0)
+    return sum(size for size, _ in seen.values()), largest * (3 if any(x for _, x in seen.values()) else 1)
 
 
 def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor with ``t``'s data (XLA tensors copied without a sync: the caller synced)."""
-    cpu = _xla.to_cpu([t], sync=False)[0] if _xla.is_xla_tensor(t) else t.detach()
-    return cpu.contiguous()
+    """A contiguous CPU tensor with ``t``'s data (an XLA tensor copied without a sync: the caller synced)."""
+    return (_xla.to_cpu([t], sync=False)[0] if _xla.is_xla_tensor(t) else t.detach()).contiguous()
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -126,39 +127,47 @@ def _hash_range(fd: int, digest: Any, start: int, end: int) -> None:
         start += len(chunk)
 
 
-def _fill(tmp: Path, entries: list[Entry], fetch: Callable[[torch.Tensor], torch.Tensor],
-          crc_at: dict[int, list[int]] | None = None) -> tuple[int, str]:
-    """Copy each entry to the host and write it at its offset, one at a time, in file order.
+def _fill(tmp: Path, entries: list[Entry], crc_at: dict[int, list[int]] | None = None) -> tuple[int, str]:
+    """Copy each entry to the host and write it at its offset, in file order, one at a time.
 
-    ``crc_at`` maps an entry's offset to the positions of its CRC-32 fields (zip
-    archives). Returns the file's byte size and sha256, hashed as it is written,
-    after an fsync.
+    The next tensor's copy from the device runs in a helper thread while this one
+    is checksummed and written (both release the GIL), so the copy costs little
+    time and the save holds two tensors at most. ``crc_at`` maps an entry's offset
+    to the positions of its CRC-32 fields (zip archives). Returns the file's byte
+    size and sha256, hashed as it is written, after an fsync.
     """
     digest, position = hashlib.sha256(), 0
+    order = sorted(entries, key=lambda e: e.offset)
     fd = os.open(tmp, os.O_RDWR)
     try:
-        for entry in sorted(entries, key=lambda e: e.offset):
-            cpu = fetch(entry.source)
-            if tuple(cpu.shape) != tuple(entry.stand_in.shape) or cpu.dtype != entry.stand_in.dtype:
-                raise CheckpointError(
-                    f"A tensor changed from {tuple(entry.stand_in.shape)} {entry.stand_in.dtype} to "
-                    f"{tuple(cpu.shape)} {cpu.dtype} while it was being saved. Save when no other thread "
-                    "modifies the state."
-                )
-            data = memoryview(cpu.reshape(-1).view(torch.uint8).numpy()) if cpu.numel() else memoryview(b"")
-            for field in (crc_at or {}).get(entry.offset, ()):
-                os.pwrite(fd, zlib.crc32(data).to_bytes(4, "little"), field)
-            _hash_range(fd, digest, position, entry.offset)  # headers before it (its CRC fields come after)
-            _pwrite_all(fd, data, entry.offset)
-            digest.update(data)
-            position = entry.offset + len(data)
-            del data, cpu
+        with ThreadPoolExecutor(1, thread_name_prefix="tpukit-checkpoint-copy") as copier:
+            upcoming = copier.submit(host_copy, order[0].source) if order else None
+            for i, entry in enumerate(order):
+                cpu = upcoming.result()
+                upcoming = copier.submit(host_copy, order[i + 1].source) if i + 1 < len(order) else None
+                _check_unchanged(entry, cpu)
+                data = memoryview(cpu.reshape(-1).view(torch.uint8).numpy()) if cpu.numel() else memoryview(b"")
+                for field in (crc_at or {}).get(entry.offset, ()):
+                    os.pwrite(fd, zlib.crc32(data).to_bytes(4, "little"), field)
+                _hash_range(fd, digest, position, entry.offset)  # headers before it (its CRC fields come after)
+                _pwrite_all(fd, data, entry.offset)
+                digest.update(data)
+                position = entry.offset + len(data)
+                del data, cpu
         size = os.fstat(fd).st_size
         _hash_range(fd, digest, position, size)
         os.fsync(fd)
     finally:
         os.close(fd)
     return size, digest.hexdigest()
+
+
+def _check_unchanged(entry: Entry, cpu: torch.Tensor) -> None:
+    if tuple(cpu.shape) != tuple(entry.stand_in.shape) or cpu.dtype != entry.stand_in.dtype:
+        raise CheckpointError(
+            f"A tensor changed from {tuple(entry.stand_in.shape)} {entry.stand_in.dtype} to {tuple(cpu.shape)} "
+            f"{cpu.dtype} while it was being saved. Save when no other thread modifies the state."
+        )
 
 
 # --------------------------------------------------------------------------- torch archive
@@ -193,7 +202,7 @@ def read_torch(path: Path, mmap: bool = False) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
-def write_torch(state: Any, tmp: Path, fetch: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, str]:
+def write_torch(state: Any, tmp: Path) -> tuple[int, str]:
     """Write ``state`` to ``tmp`` as a ``torch.save`` archive, tensor data streamed in afterwards.
 
     Returns the file's byte size and sha256.
@@ -202,7 +211,7 @@ def write_torch(state: Any, tmp: Path, fetch: Callable[[torch.Tensor], torch.Ten
     with torch.serialization.skip_data():
         _save_torch(frame, tmp)
     _locate(tmp, frame, entries)
-    return _fill(tmp, entries, fetch, _crc_fields(tmp))
+    return _fill(tmp, entries, _crc_fields(tmp))
 
 
 def _crc_fields(tmp: Path) -> dict[int, list[int]]:
@@ -257,8 +266,7 @@ def _locate(tmp: Path, frame: Any, entries: list[Entry]) -> None:
 
 # --------------------------------------------------------------------------- safetensors
 
-def write_safetensors(state: Any, tmp: Path, fetch: Callable[[torch.Tensor], torch.Tensor],
-                      structure_key: str) -> tuple[int, str]:
+def write_safetensors(state: Any, tmp: Path, structure_key: str) -> tuple[int, str]:
     """Write ``state`` to ``tmp`` as a safetensors file whose metadata holds the tree's structure.
 
     Returns the file's byte size and sha256.
@@ -306,4 +314,4 @@ def write_safetensors(state: Any, tmp: Path, fetch: Callable[[torch.Tensor], tor
         f.truncate(start + position)
     for entry in entries:
         entry.offset += start
-    return _fill(tmp, entries, fetch)
+    return _fill(tmp, entries)
