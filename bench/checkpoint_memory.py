@@ -28,7 +28,8 @@ Measured around the save call only (the CPU copies each way makes are inside it)
   inside C calls that hold the GIL. Page cache is not RSS; file pages a process
   maps are, so the anonymous part is reported too.
 * **throughput**: state GiB / wall seconds of the call. tpukit's call includes an
-  fsync and a sha256 read-back of the file; the others do neither, so the time an
+  fsync and the sha256 and CRC-32 of the file (computed while writing); the others do
+  no fsync or sha256, so the time an
   fsync would add after them is measured outside the call and reported beside.
 
 A tiny save of the same way runs first in each process (imports and first-call
