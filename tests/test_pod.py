@@ -6,9 +6,10 @@ host, so that Ray itself gives it its TPU resource and the slice labels ``ray.ut
 on. Nothing is mocked but the TPU chips, which cannot exist here: each host process runs torch_xla
 on XLA:CPU with two virtual devices, its own SPMD program (XLA:CPU has no collectives between
 processes). The tests check scheduling (one task per host, pinned to it), each host's environment,
-telemetry (output, step records, compile events back in this process), host 0's result, failure
-handling (a raising host, Ctrl-C) and that nothing is left running afterwards; and the errors
-raised before anything starts. One cluster for the module (starting it is the slow part).
+telemetry (output, step records, compile events back in this process), host 0's result,
+checkpoint coordination (sharded state written by every host into one checkpoint committed by host
+0, replicated state by host 0 alone), failure handling (a raising host, Ctrl-C) and that nothing
+is left running afterwards; and the errors raised before anything starts. One cluster for the module (starting it is the slow part).
 """
 
 from __future__ import annotations
@@ -124,6 +125,36 @@ def train_on_host(steps):
         optimizer.zero_grad()
         tpukit.log(loss=loss)
     return {"host": host.index, "count": host.count, "devices": rt.device_count, "loss": float(loss)}
+
+
+def checkpoint_on_host(directory):
+    """Each host joins the slice's group and checkpoints an SPMD-sharded model: sharded, and gathered."""
+    import os
+
+    import torch
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+
+    import tpukit
+    from tpukit import hosts
+    from tpukit.checkpoint import CheckpointManager
+
+    host = hosts.process_group()
+    rt = tpukit.setup(spmd=True)
+    mesh = tpukit.mesh()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(rt.device)
+    xs.mark_sharding(model.weight, mesh, ("data", None))
+    sharded = CheckpointManager(os.path.join(directory, "sharded"), keep=2)
+    whole = CheckpointManager(os.path.join(directory, "whole"), keep=2, sharded=False)
+    for step in (1, 2):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        torch_xla.sync()
+        sharded.save(step, model=model.state_dict())
+        whole.save(step, model=model.state_dict())  # replicated on the CPU: host 0 alone writes it
+    seen = sorted(os.listdir(os.path.join(directory, "sharded")))  # after save returned: committed
+    return {"host": host.index, "weight": model.weight.cpu().tolist(), "seen": seen}
 
 
 def fail_on_host_two():
@@ -248,6 +279,28 @@ def test_one_task_per_host_with_its_environment_and_telemetry(local_slice, capsy
 
     # the per-host view (dashboard=True; text mode here) printed its final table
     assert f"slice: {HOSTS} of {HOSTS} hosts reporting, steps 3/3/3/3; slowest host" in out, out
+    assert_nothing_left_running()
+
+
+def test_checkpoints_from_a_slice_sharded_per_host_and_replicated_from_host_0(local_slice, tmp_path):
+    import json
+
+    import torch
+
+    from tpukit import checkpoint
+
+    result = tpukit.run_on_slice(checkpoint_on_host, str(tmp_path), topology=TOPOLOGY, accelerator_version=VERSION)
+    assert result["host"] == 0
+    committed = ["ckpt-00000001.dcp", "ckpt-00000001.json", "ckpt-00000002.dcp", "ckpt-00000002.json"]
+    assert result["seen"] == committed  # every host returned from save only after host 0 committed
+    assert sorted(p.name for p in (tmp_path / "sharded").iterdir()) == committed  # no temporary directory left
+    manifest = json.loads((tmp_path / "sharded" / "ckpt-00000002.json").read_text())
+    assert sorted(manifest["files"]) == [".metadata"] + [f"__{i}_0.distcp" for i in range(HOSTS)]  # one per host
+    expected = torch.tensor(result["weight"])
+    assert torch.equal(checkpoint.load(tmp_path / "sharded")["model"]["weight"], expected)
+    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == [
+        "ckpt-00000001.json", "ckpt-00000001.pt", "ckpt-00000002.json", "ckpt-00000002.pt"]
+    assert torch.equal(checkpoint.load(tmp_path / "whole")["model"]["weight"], expected)
     assert_nothing_left_running()
 
 

@@ -42,6 +42,7 @@ SLICE_ENV = "TPUKIT_SLICE_NAME"  # the slice's name (Ray's ray.io/tpu-slice-name
 # metadata and GKE's webhook provide the same facts, and win).
 TORCH_XLA_ENV = ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "MASTER_ADDR")
 WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+GROUP_PORT_ENV, DEFAULT_GROUP_PORT = "TPUKIT_GROUP_PORT", 8479  # process_group()'s rendezvous port on host 0
 # Names people use for an accelerator generation -> Ray's name for it (ray.util.tpu).
 ALIASES = {"v5e": "v5litepod", "v5lite": "v5litepod", "v5litepod": "v5litepod", "v5p": "v5p", "v6e": "v6e",
            "v7x": "v7x", "v4": "v4", "v3": "v3", "v2": "v2"}
@@ -75,6 +76,34 @@ def current() -> Host:
     if index is None or count is None:
         return Host(0, 1)
     return Host(int(index), int(count), os.environ.get(SLICE_ENV) or None, os.environ.get("MASTER_ADDR") or None)
+
+
+def process_group(backend: str = "gloo", timeout_s: float = 300.0) -> Host:
+    """Join the slice's ``torch.distributed`` group (one process per host); every host must call it.
+
+    It is what a ``CheckpointManager`` on a slice needs for sharded state: with the
+    group up, a save of SPMD-sharded tensors is collective, each host writing the
+    shards it owns into one checkpoint directory (on storage every host sees) and
+    host 0 committing it after all have written, so ``latest()`` never sees a
+    partial one. Replicated state needs no group: host 0 alone writes it
+    (``rank() == host index``). The rendezvous is host 0's address on port
+    ``TPUKIT_GROUP_PORT`` (default 8479). Off a slice, or when a group is already
+    up, it does nothing. Returns this host.
+    """
+    host = current()
+    import torch.distributed as dist
+
+    if host.count == 1 or dist.is_initialized():
+        return host
+    if not host.coordinator:
+        raise SliceError("this host does not know host 0's address (MASTER_ADDR is not set): call "
+                         "process_group() inside a function run by tpukit.run_on_slice.")
+    import datetime
+
+    port = int(os.environ.get(GROUP_PORT_ENV, DEFAULT_GROUP_PORT))
+    dist.init_process_group(backend, init_method=f"tcp://{host.coordinator}:{port}", rank=host.index,
+                            world_size=host.count, timeout=datetime.timedelta(seconds=timeout_s))
+    return host
 
 
 @dataclass(frozen=True)
