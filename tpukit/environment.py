@@ -160,3 +160,14 @@ def available_memory(meminfo: str = "/proc/meminfo") -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists on this machine (also when it belongs to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # someone else's process
+    return True

@@ -29,7 +29,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from . import compiles, events, runtime
+from . import compiles, environment, events, runtime
 from .compiles import CompileEvent
 from .errors import SliceError
 from .steps import StepRecord
@@ -221,16 +221,6 @@ def read_output(pid: int, offsets: Mapping[str, int], folder: str | None = None)
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # someone else's process
-    return True
-
-
 def _remove_stale(folder: str) -> None:
     """Output files of host processes that are gone and were not read (the hosts of a cancelled run);
     kept a while, so the notebook can still read a host that just died (:func:`read_output`)."""
@@ -238,7 +228,7 @@ def _remove_stale(folder: str) -> None:
     for entry in os.listdir(folder):
         path, pid = os.path.join(folder, entry), entry.split(".", 1)[0]
         try:
-            if pid.isdigit() and not _alive(int(pid)) and os.path.getmtime(path) < cutoff:
+            if pid.isdigit() and not environment.pid_alive(int(pid)) and os.path.getmtime(path) < cutoff:
                 os.remove(path)
         except OSError:
             continue

@@ -22,9 +22,7 @@ from tpukit import events
 from tpukit._text import plural, seconds, table_html, table_text
 
 from . import frontend
-
-RECOMPILATION = "recompilation"
-
+from .model import RECOMPILATION
 
 @dataclass(frozen=True)
 class HostRow:

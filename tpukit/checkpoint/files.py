@@ -17,6 +17,8 @@ import socket
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from .. import environment
+
 log = logging.getLogger("tpukit")
 
 TMP_PREFIX = ".tmp-"  # never a checkpoint file name (format.parse_name), so it is never listed as one
@@ -82,7 +84,7 @@ def remove_stale_temps(directory: Path, prefix: str) -> None:
         parts = name.split("~")
         if len(parts) == 4 and parts[1] == host and parts[2].isdigit():
             pid = int(parts[2])
-            if pid != os.getpid() and not _pid_alive(pid):
+            if pid != os.getpid() and not environment.pid_alive(pid):
                 remove_path(directory / name)
                 log.info("removed stale temporary checkpoint file %s", name)
 
@@ -94,16 +96,6 @@ def remove_path(path: Path) -> None:
     else:
         with contextlib.suppress(OSError):
             os.unlink(path)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 class Sink:
