@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from .errors import RuntimeStateError, TorchXlaMissingError, VersionMismatchError
+from ..errors import RuntimeStateError, TorchXlaMissingError, VersionMismatchError
 
 _MODULES: dict[str, Any] = {}
 
@@ -36,7 +36,7 @@ def _import(name: str):
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        from . import environment
+        from .. import environment
 
         text = str(exc)
         if "undefined symbol" in text or "torch_xla/_XLAC" in text:
