@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 
 import tpukit
-from tpukit import events, hosts, runtime
+from tpukit import events, hosts, remote, runtime
 from tpukit.compiles import CompileEvent
-from tpukit.pod import _Lines
 from tpukit.steps import StepRecord
 from tpukit.widgets import DashboardState, SliceState, SliceView
 from tpukit.widgets.slice import summary_html, summary_text
@@ -125,7 +124,7 @@ def test_the_main_dashboard_keeps_to_host_zero():
 
 
 def test_host_output_reaches_the_cell_line_by_line_with_the_host_prefix(capsys):
-    lines = _Lines()
+    lines = remote.Prefixer("host")  # what run_on_slice writes the hosts' output with
     lines.write(1, "stdout", "epoch 1 ")
     lines.write(0, "stdout", "ready\r\nloss 0.5\n")
     lines.write(1, "stdout", "done\nstep 3\rstep 4")
@@ -137,8 +136,6 @@ def test_host_output_reaches_the_cell_line_by_line_with_the_host_prefix(capsys):
 
 
 def test_a_hosts_traceback_reads_like_the_notebooks_own():
-    from tpukit.pod import _with_sources
-
     here = __file__
     line = test_a_hosts_traceback_reads_like_the_notebooks_own.__code__.co_firstlineno
     text = ("Traceback (most recent call last):\n"
@@ -147,7 +144,7 @@ def test_a_hosts_traceback_reads_like_the_notebooks_own():
             '  File "/somewhere/else.py", line 5, in g\n'
             "    already = 'shown'\n"
             "ValueError: no")
-    assert _with_sources(text).splitlines() == [
+    assert remote.with_sources(text).splitlines() == [
         "Traceback (most recent call last):",
         f'  File "{here}", line {line}, in test_a_hosts_traceback_reads_like_the_notebooks_own',
         "    def test_a_hosts_traceback_reads_like_the_notebooks_own():",  # the host had no source: ours

@@ -6,7 +6,9 @@ learns its host index from the node it landed on (the ``ray.io/tpu-worker-id`` l
 the TPU metadata), sets the environment torch_xla's multi-host SPMD reads (:func:`host_env`),
 captures the host's stdout and stderr at the file-descriptor level (XLA's C-level output too),
 tags the host's step records and compile events with its index, and runs the user's function in a
-thread while it yields all of that to the notebook as a Ray streaming generator.
+thread while it yields all of that to the notebook as :class:`tpukit.remote.Message` objects of a
+Ray streaming generator (capture, messages, forwarding and tracebacks are shared with
+``tpukit.launch`` through :mod:`tpukit.remote`).
 
 :func:`current` tells code running on a slice which host it is on (a checkpoint writer uses it
 to decide who writes what); off a slice it is host 0 of 1. Ray is imported only inside functions:
@@ -17,19 +19,16 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
-import io
 import os
 import queue
 import socket
-import sys
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from . import compiles, environment, events, runtime
+from . import compiles, environment, events, raycluster, remote, runtime
 from .compiles import CompileEvent
 from .errors import SliceError
 from .steps import StepRecord
@@ -41,7 +40,7 @@ SLICE_ENV = "TPUKIT_SLICE_NAME"  # the slice's name (Ray's ray.io/tpu-slice-name
 # _internal/rendezvous.py): set only where the host does not already have them (a TPU VM's
 # metadata and GKE's webhook provide the same facts, and win).
 TORCH_XLA_ENV = ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "MASTER_ADDR")
-WORKER_ID_LABEL = "ray.io/tpu-worker-id"
+WORKER_ID_LABEL = raycluster.WORKER_LABEL  # Ray's label of a host's index in its slice
 GROUP_PORT_ENV, DEFAULT_GROUP_PORT = "TPUKIT_GROUP_PORT", 8479  # process_group()'s rendezvous port on host 0
 # Names people use for an accelerator generation -> Ray's name for it (ray.util.tpu).
 ALIASES = {"v5e": "v5litepod", "v5lite": "v5litepod", "v5litepod": "v5litepod", "v5p": "v5p", "v6e": "v6e",
@@ -187,17 +186,9 @@ def host_env(index: int, plan: Mapping[str, Any]) -> tuple[dict[str, str], dict[
 
 # ------------------------------------------------------------------------------ on each host
 
-class _Forward:
-    """The host's listener: its step records and compile events, tagged with its index, go on the queue."""
-
-    def __init__(self, put: Callable[[tuple], None], host: int):
-        self.put, self.host = put, host
-
-    def on_step(self, record: StepRecord) -> None:
-        self.put(("step", tag_step(record, self.host)))
-
-    def on_compile(self, event: CompileEvent) -> None:
-        self.put(("compile", tag_event(event, self.host)))
+def _tag(record: Any, host: int) -> Any:
+    """A step record or compile event of this host, tagged with its index (what the forwarder sends)."""
+    return tag_step(record, host) if isinstance(record, StepRecord) else tag_event(record, host)
 
 
 def output_files(pid: int, folder: str | None = None) -> dict[str, str]:
@@ -236,33 +227,30 @@ def _remove_stale(folder: str) -> None:
 
 class _Capture:
     """Points fds 1 and 2 (print, logging and C-level output alike) at files on this host, which the
-    kernel writes, so a crash loses nothing; threads tail them and put ``("out", host, stream, text,
-    sent)`` on the queue (``sent``: bytes of the stream sent so far). Puts everything back on exit."""
+    kernel writes, so a crash loses nothing; threads tail them and put output Messages on the queue
+    (``sent``: bytes of the stream sent so far). Puts everything back on exit."""
 
-    def __init__(self, put: Callable[[tuple], None], host: int):
+    def __init__(self, put: Callable[[remote.Message], None], host: int):
         self.put, self.host = put, host
         self.files = output_files(os.getpid())
-        self.saved: list[tuple[int, int]] = []
+        self.redirect: remote.Redirect | None = None
         self.readers: list[threading.Thread] = []
-        self.streams = (sys.stdout, sys.stderr)
         self.done = threading.Event()
 
     def __enter__(self) -> "_Capture":
         os.makedirs(OUTPUT_DIR, exist_ok=True)
         _remove_stale(OUTPUT_DIR)
-        for stream in self.streams:
-            stream.flush()
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            target = os.open(self.files[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-            self.saved.append((fd, os.dup(fd)))
-            os.dup2(target, fd)
-            os.close(target)
+        targets = [os.open(self.files[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+                   for name in ("stdout", "stderr")]
+        try:
+            self.redirect = remote.Redirect(*targets).start()
+        finally:
+            for fd in targets:
+                os.close(fd)
+        for name in ("stdout", "stderr"):
             reader = threading.Thread(target=self._tail, args=(name,), name=f"tpukit-host-{name}", daemon=True)
             reader.start()
             self.readers.append(reader)
-        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
-                                                   errors="backslashreplace", line_buffering=True, write_through=True)
-                                  for fd in (1, 2))
         return self
 
     def _tail(self, name: str) -> None:
@@ -275,24 +263,17 @@ class _Capture:
                 if data:
                     sent += len(data)
                     if text := decoder.decode(data):
-                        self.put(("out", self.host, name, text, sent))
+                        self.put(remote.Message.output(self.host, name, text, sent))
                 elif finished:
                     break
                 else:
                     self.done.wait(_TAIL_S)
         if text := decoder.decode(b"", final=True):
-            self.put(("out", self.host, name, text, sent))
+            self.put(remote.Message.output(self.host, name, text, sent))
 
     def __exit__(self, *exc: Any) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        sys.stdout, sys.stderr = self.streams
-        for fd, saved in self.saved:
-            os.dup2(saved, fd)
-            os.close(saved)
+        if self.redirect is not None:
+            self.redirect.restore()
         self.done.set()
         for reader in self.readers:
             reader.join(_DRAIN_S)
@@ -303,46 +284,29 @@ class _Capture:
                 pass
 
 
-def _user_traceback(exc: BaseException) -> str:
-    """The traceback from the user's function on (this module's frames dropped)."""
-    tb = exc.__traceback__
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) == os.path.abspath(__file__):
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
-
-
 def _run(payload: bytes, host: int, outcome: dict) -> None:
-    """Load and call the user's function; leave ``("done", host, pickled value or None)`` or
-    ``("error", host, summary, traceback)`` in ``outcome``."""
+    """Load and call the user's function; leave a RESULT Message (host 0's holds the pickled value,
+    ``primary``) or an ERROR one in ``outcome``."""
     from ray import cloudpickle
 
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
     except BaseException as exc:
-        outcome["message"] = ("error", host, f"its function could not be loaded there ({type(exc).__name__}: {exc}); "
-                              "define it in the notebook (it then travels by value) or install the module it "
-                              "comes from on every host", _user_traceback(exc))
+        outcome["message"] = remote.Message.error(
+            host, f"its function could not be loaded there ({type(exc).__name__}: {exc}); define it in the "
+                  "notebook (it then travels by value) or install the module it comes from on every host",
+            remote.user_traceback(exc))
         return
-    try:
-        value = fn(*args, **kwargs)
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            outcome["message"] = ("error", host, f"SystemExit({exc.code!r})", _user_traceback(exc))
-            return
-        value = None
-    except BaseException as exc:
-        outcome["message"] = ("error", host, f"{type(exc).__name__}: {exc}", _user_traceback(exc))
-        return
-    blob = None
-    if host == 0:  # only host 0's value goes back (it is what run_on_slice returns)
-        try:
-            blob = cloudpickle.dumps(value)
-        except Exception as exc:
-            outcome["message"] = ("error", host, f"it returned a {type(value).__name__} that cannot be sent back to "
-                                  f"the notebook ({type(exc).__name__}: {exc}); return plain Python data or CPU "
-                                  "tensors (t.cpu())", "")
-            return
-    outcome["message"] = ("done", host, blob)
+    msg = remote.run(host, fn, args, kwargs)
+    if msg.kind == remote.RESULT:
+        if host != 0:  # only host 0's value goes back (it is what run_on_slice returns)
+            msg = remote.Message.result(host, None, primary=False)
+        else:
+            try:
+                msg = remote.Message.result(host, cloudpickle.dumps(msg.value), primary=True)
+            except Exception as exc:
+                msg = remote.unsendable(host, msg.value, exc, "the notebook")
+    outcome["message"] = msg
 
 
 def _poll_compiles() -> None:
@@ -354,7 +318,7 @@ def _poll_compiles() -> None:
         pass
 
 
-def _drain(q: "queue.SimpleQueue[tuple]") -> Iterator[tuple]:
+def _drain(q: "queue.SimpleQueue[remote.Message]") -> Iterator[remote.Message]:
     while True:
         try:
             yield q.get_nowait()
@@ -371,13 +335,13 @@ def _host_index(ray: Any) -> int:
     return int(found)
 
 
-def slice_host(payload: bytes, plan: Mapping[str, Any]) -> Iterator[tuple]:
+def slice_host(payload: bytes, plan: Mapping[str, Any]) -> Iterator[remote.Message]:
     """The Ray streaming task ``run_on_slice`` starts on every host of the slice.
 
-    Yields, in order: ``("hello", host, hostname, pid, node id)``; then, while the user's function runs,
-    ``("out", host, stream, text, sent)``, ``("step", HostStepRecord)`` and ``("compile", HostCompileEvent)``
-    as they happen; last ``("done", host, pickled value)`` (the value on host 0 only) or
-    ``("error", host, summary, traceback)``.
+    Yields :class:`tpukit.remote.Message` objects, in order: HELLO (the host's name, pid and Ray
+    node id); then, while the user's function runs, OUTPUT, STEP (a ``HostStepRecord``) and
+    COMPILE (a ``HostCompileEvent``) as they happen; last RESULT (the pickled value, on host 0
+    only) or ERROR (a summary and the user's traceback).
     """
     import ray
 
@@ -386,10 +350,10 @@ def slice_host(payload: bytes, plan: Mapping[str, Any]) -> Iterator[tuple]:
     os.environ.update(always)
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
-    q: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-    yield ("hello", host, socket.gethostname(), os.getpid(), ray.get_runtime_context().get_node_id())
+    q: queue.SimpleQueue[remote.Message] = queue.SimpleQueue()
+    yield remote.Message.hello(host, socket.gethostname(), os.getpid(), ray.get_runtime_context().get_node_id())
     outcome: dict = {}
-    listener = events.add_listener(_Forward(q.put, host))
+    listener = events.add_listener(remote.Forwarder(q.put, host, tag=_tag))
     try:
         with _Capture(q.put, host):
             worker = threading.Thread(target=_run, args=(payload, host, outcome), name="tpukit-host-main", daemon=True)
@@ -405,4 +369,4 @@ def slice_host(payload: bytes, plan: Mapping[str, Any]) -> Iterator[tuple]:
     finally:
         events.remove_listener(listener)
     yield from _drain(q)
-    yield outcome.get("message") or ("error", host, "the function's thread ended without a result", "")
+    yield outcome.get("message") or remote.Message.error(host, "the function's thread ended without a result")

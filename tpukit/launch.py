@@ -1,26 +1,24 @@
 """``launch()``: run multi-process (``xmp.spawn`` / ``torch_xla.launch`` style) code from a notebook.
 
-Plans, start methods, output forwarding with ``[rank N]`` prefixes, and forwarding of rank 0's
-step records and compile events to this process's listeners. Prefer SPMD (:mod:`tpukit.spmd`).
+This module is the launching process's side: the plan (modes, start methods), the refusals,
+and the supervision of the replicas (their output to the cell with ``[rank N]`` prefixes, rank
+0's step records and compile events to this process's listeners, results, failures, clean-up).
+What runs in each replica is :mod:`tpukit._replica`; what both sides share (messages, capture,
+prefixing, tracebacks) is :mod:`tpukit.remote`. Prefer SPMD (:mod:`tpukit.spmd`).
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import multiprocessing.connection
 import os
-import re
 import signal
 import sys
-import threading
 import time
-import traceback
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import _ipython, _xla, environment, events, runtime
+from . import _ipython, _replica, _xla, environment, remote, runtime
 from .errors import LaunchError, TpukitWarning
 
 log = logging.getLogger("tpukit")
@@ -28,16 +26,7 @@ log = logging.getLogger("tpukit")
 _TERMINATE_GRACE = 5.0  # seconds a replica gets to exit after SIGTERM before SIGKILL
 _EXIT_GRACE = 10.0  # seconds a replica that already returned gets to exit on its own
 _DRAIN_GRACE = 2.0  # seconds to collect output after the last replica exited
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """How ``launch`` starts replicas (decided before anything starts)."""
-
-    mode: str  # "in-process" | "single" | "replicated" | "independent"
-    nprocs: int
-    start_method: str | None
-    device_type: str
+_Plan = _replica.Plan  # what the replicas are told too
 
 
 def _device_kind() -> str:
@@ -132,129 +121,7 @@ def launch(fn: Callable[..., Any], *args: Any, nprocs: int | None = None, debug_
     return _Launcher(plan, fn, args).run()
 
 
-# --------------------------------------------------------------------------- launcher: child side
-
-_INHERITED_STREAMS: list = []
-_OWN_FILES = {os.path.abspath(__file__).rstrip("c"), os.path.abspath(_xla.__file__).rstrip("c")}
-
-
-def _redirect_output(out_w: Any, err_w: Any) -> None:
-    """Point fds 1/2 and sys.stdout/sys.stderr of this child at the parent's pipes."""
-    # Keep the inherited stream objects alive: collecting them could flush the
-    # parent's buffered output (or a notebook's zmq stream) into our pipes.
-    _INHERITED_STREAMS.append((sys.stdout, sys.stderr))
-    for fd, conn in ((1, out_w), (2, err_w)):
-        os.dup2(conn.fileno(), fd)
-        conn.close()
-
-    def stream(fd: int):
-        return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-                                line_buffering=True, write_through=True)
-
-    old_out, old_err = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = stream(1), stream(2)
-    # Logging handlers created in the parent (e.g. a notebook's logging.basicConfig())
-    # hold the parent's stream objects: point them at ours so their lines get the prefix.
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(lg, logging.Logger)]
-    for handler in {h for lg in loggers for h in lg.handlers}:
-        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
-            if handler.stream is old_err:
-                handler.setStream(sys.stderr)
-            elif handler.stream is old_out:
-                handler.setStream(sys.stdout)
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this child when the launching process dies (best effort)."""
-    try:
-        if sys.platform.startswith("linux"):
-            import ctypes
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-_PLUMBING = (os.sep + os.path.join("torch_xla", "_internal") + os.sep,
-             os.sep + os.path.join("concurrent", "futures") + os.sep,
-             os.sep + "threading.py")
-
-
-def _user_traceback(exc: BaseException) -> str:
-    """The exception's traceback without the launcher's own leading frames (tpukit, torch_xla's
-    replica set-up, thread pools), so it starts where the user's function does."""
-    tb = exc.__traceback__
-    while tb is not None:
-        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        if path not in _OWN_FILES and not any(p in path for p in _PLUMBING):
-            break
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
-
-
-def _replica_main(rank_: int, plan: _Plan, fn: Callable[..., Any], args: tuple, out_w: Any, err_w: Any,
-                  res_w: Any, parent_pid: int) -> None:
-    """Entry point of one replica process; sends ('ok', has_rank0, value) or ('error', ...) back."""
-    _redirect_output(out_w, err_w)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops us
-    _die_with_parent()
-    if plan.start_method != "forkserver" and os.getppid() != parent_pid:  # parent died before prctl
-        os._exit(1)
-    forwarder = events.add_listener(_RecordForwarder(res_w)) if rank_ == 0 else None
-    try:
-        if plan.mode == "independent":
-            os.environ[runtime.RANK_ENV] = str(rank_)
-            values = {rank_: fn(rank_, *args)}
-        elif plan.mode == "single":
-            values = {0: _xla.run_single_process(fn, args)}
-        else:
-            values = _xla.run_replica_process(rank_, plan.nprocs, fn, args)
-        low = min(values) if values else None
-        msg: tuple = ("ok", low == 0, values.get(0)) if low == 0 else ("ok", False, None)
-    except SystemExit as exc:
-        if exc.code in (None, 0):
-            msg = ("ok", rank_ == 0, None)
-        else:
-            msg = ("error", f"SystemExit({exc.code!r})", _user_traceback(exc))
-    except BaseException as exc:  # report everything, including KeyboardInterrupt in the child
-        msg = ("error", f"{type(exc).__name__}: {exc}", _user_traceback(exc))
-    if forwarder is not None:
-        events.remove_listener(forwarder)
-    try:
-        res_w.send(msg)
-    except Exception as exc:  # an unpicklable return value
-        res_w.send(("error", None,
-                    f"it returned a {type(msg[2]).__name__} that cannot be sent back to the launching process "
-                    f"({type(exc).__name__}: {exc}); return plain Python data or CPU tensors (t.cpu())."))
-    finally:
-        res_w.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-
-
-class _RecordForwarder:
-    """Listener in replica rank 0 that sends its step records and compile events to the launching
-    process's listeners (e.g. the notebook's dashboard); with one thread per device, only ordinal 0's."""
-
-    def __init__(self, conn: Any):
-        self.conn, self.lock = conn, threading.Lock()
-
-    def _send(self, kind: str, record: Any) -> None:
-        if runtime.rank() == 0:
-            with self.lock:
-                self.conn.send(("record", kind, record))
-
-    def on_step(self, record: Any) -> None:
-        self._send("on_step", record)
-
-    def on_compile(self, event: Any) -> None:
-        self._send("on_compile", event)
-
-
 # --------------------------------------------------------------------------- launcher: parent side
-
-_LINE = re.compile(r"(\r\n|\n|\r)")
-
 
 class _Launcher:
     """Starts the replicas, forwards their output, collects results, cleans up."""
@@ -262,28 +129,15 @@ class _Launcher:
     def __init__(self, plan: _Plan, fn: Callable[..., Any], args: tuple):
         self.plan, self.fn, self.args = plan, fn, args
         self.procs: list = []
-        self.streams: dict[int, tuple[int, Any]] = {}  # fd -> (rank, target stream name)
-        self.partial: dict[int, str] = {}
+        self.streams: dict[int, tuple[int, str]] = {}  # fd -> (rank, target stream name)
+        self.lines = remote.Prefixer("rank")
         self.results: dict[int, Any] = {}  # rank -> result connection (until it answers)
 
     # output forwarding ---------------------------------------------------
-    def _emit(self, fd: int, text: str, final: bool = False) -> None:
-        rank_, name = self.streams[fd]
-        text = self.partial.pop(fd, "") + text
-        parts = _LINE.split(text)
-        out = []
-        for i in range(0, len(parts) - 1, 2):
-            term = "\n" if parts[i + 1] == "\r\n" else parts[i + 1]
-            out.append(f"[rank {rank_}] {parts[i]}{term}")
-        rest = parts[-1]
-        if rest and final:
-            out.append(f"[rank {rank_}] {rest}\n")
-        elif rest:
-            self.partial[fd] = rest
-        if out:
-            target = getattr(sys, name)
-            target.write("".join(out))
-            target.flush()
+    def _end_stream(self, fd: int) -> None:
+        rank_, name = self.streams.pop(fd)
+        self.lines.write(rank_, name, b"", final=True)
+        os.close(fd)
 
     def _read_stream(self, fd: int) -> bool:
         """Forward what is available on ``fd``; False at end of file."""
@@ -292,11 +146,9 @@ class _Launcher:
         except OSError:
             data = b""
         if not data:
-            self._emit(fd, "", final=True)
-            del self.streams[fd]
-            os.close(fd)
+            self._end_stream(fd)
             return False
-        self._emit(fd, data.decode("utf-8", errors="replace"))
+        self.lines.write(*self.streams[fd], data)
         return True
 
     def _drain(self, seconds: float) -> None:
@@ -305,9 +157,7 @@ class _Launcher:
             for fd in multiprocessing.connection.wait(list(self.streams), timeout=left):
                 self._read_stream(fd)
         for fd in list(self.streams):
-            self._emit(fd, "", final=True)
-            del self.streams[fd]
-            os.close(fd)
+            self._end_stream(fd)
 
     # start and stop --------------------------------------------------------
     def _start(self) -> None:
@@ -318,7 +168,7 @@ class _Launcher:
             out_r, out_w = ctx.Pipe(duplex=False)
             err_r, err_w = ctx.Pipe(duplex=False)
             res_r, res_w = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_replica_main, name=f"tpukit-replica-{r}",
+            proc = ctx.Process(target=_replica.main, name=f"tpukit-replica-{r}",
                                args=(r, self.plan, self.fn, self.args, out_w, err_w, res_w, os.getpid()))
             try:
                 with warnings.catch_warnings():
@@ -367,14 +217,16 @@ class _Launcher:
         for fd in list(self.streams):
             os.close(fd)
         self.streams.clear()
+        self.lines.flush()  # an interrupted run: what its last lines began is still shown
 
     # supervision -----------------------------------------------------------
-    def _failure(self, r: int, summary: str | None, detail: str) -> LaunchError:
+    def _failure(self, r: int, msg: remote.Message) -> LaunchError:
         others = "; the other replicas were stopped" if self.plan.nprocs > 1 else ""
-        if summary is None:  # not an exception in fn: detail says what went wrong
+        if not msg.traceback:  # not an exception in fn: the summary says what went wrong
             stopped = " The other replicas were stopped." if others else ""
-            return LaunchError(f"replica rank {r} failed: {detail}{stopped}")
-        return LaunchError(f"replica rank {r} failed with {summary}{others}. Its traceback:\n\n{detail.rstrip()}")
+            return LaunchError(f"replica rank {r} failed: {msg.summary}.{stopped}")
+        return LaunchError(f"replica rank {r} failed with {msg.summary}{others}. Its traceback:\n\n"
+                           f"{remote.with_sources(msg.traceback).rstrip()}")
 
     def _died(self, r: int) -> LaunchError:
         code = self.procs[r].exitcode
@@ -390,18 +242,18 @@ class _Launcher:
             msg = conn.recv()
         except (EOFError, OSError):
             msg = None
-        if msg is not None and msg[0] == "record":  # rank 0's step record / compile event
-            events.call(msg[1], msg[2])
+        if msg is not None and msg.kind in (remote.STEP, remote.COMPILE):  # rank 0's records
+            remote.publish(msg)
             return None
         self.results.pop(r)
         conn.close()
         if msg is None:
             self.procs[r].join(_TERMINATE_GRACE)
             return self._died(r)
-        if msg[0] == "error":
-            return self._failure(r, msg[1], msg[2])
-        if msg[1]:
-            self.value = msg[2]
+        if msg.kind == remote.ERROR:
+            return self._failure(r, msg)
+        if msg.primary:
+            self.value = msg.value
         return None
 
     def run(self) -> Any:

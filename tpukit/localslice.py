@@ -52,9 +52,13 @@ class LocalSlice:
 
     def __init__(self, topology: str = "4x4", accelerator_version: str = "v5e", devices_per_host: int | None = None,
                  name: str = "tpukit-local-slice"):
+        if devices_per_host is not None and (isinstance(devices_per_host, bool) or not isinstance(devices_per_host, int)
+                                             or devices_per_host < 1):
+            raise ValueError(f"devices_per_host={devices_per_host!r} must be a positive int (the XLA:CPU devices each "
+                             "simulated host runs on), or None for the host's chip count.")
         self.pod_type, self.hosts, self.chips_per_host = hosts.slice_shape(topology, accelerator_version)
         self.topology = str(topology).strip().lower()
-        self.devices_per_host = devices_per_host or self.chips_per_host
+        self.devices_per_host = devices_per_host if devices_per_host is not None else self.chips_per_host
         self.name = name
         self.cluster: Any = None
 

@@ -3,46 +3,29 @@
 The kit does not manage a cluster: Ray does (``ray.util.tpu``: a ``SlicePlacementGroup`` reserves
 every host of one slice, ``run_on_slice`` starts one task per host, pinned to it). This module
 checks everything that can be checked before anything starts (the function pickles, the topology
-exists, a cluster is reachable and has a whole idle slice), reserves the slice, starts
-:func:`tpukit.hosts.slice_host` on each host, and supervises: each host's output reaches the cell
-prefixed ``[host N]``, its step records and compile events reach this process's listeners (the
-dashboard), host 0's return value comes back. A failing host, a crash or Ctrl-C cancels every
-task and releases the slice; nothing is left running on the cluster. Ray is imported lazily.
+exists, and through :mod:`tpukit.raycluster` a cluster is reachable and has a whole idle slice),
+reserves the slice, starts :func:`tpukit.hosts.slice_host` on each host, and supervises: each
+host's output reaches the cell prefixed ``[host N]``, its step records and compile events reach
+this process's listeners (the dashboard), host 0's return value comes back (all of it as
+:class:`tpukit.remote.Message` objects). A failing host, a crash or Ctrl-C cancels every task and
+releases the slice; nothing is left running on the cluster. Ray is imported lazily.
 """
 
 from __future__ import annotations
 
-import linecache
 import logging
-import re
-import socket
-import sys
 import time
 from typing import Any, Callable
 
-from . import _ipython, events, hosts
+from . import events, hosts, raycluster, remote
 from .errors import SliceError
 
 log = logging.getLogger("tpukit")
 
 _WAIT_S = 0.5          # longest wait for a host's next message (Ctrl-C is seen at least this often)
 _CANCEL_GRACE_S = 30.0  # how long cancelled tasks get to end before the slice is released anyway
-_RELEASE_S = 30.0      # how long to wait for Ray to confirm the slice's placement groups are gone
-_FREE_WAIT_S = 5.0     # how long a busy-looking slice gets to show as free (Ray reports releases late)
 _LAST_WORDS_S = 30.0   # how long to wait for a dead host's last output
-_LINE = re.compile(r"(\r\n|\n|\r)")
-_FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+)(?P<rest>, in .*)$')
 _REMOTE: dict[str, Any] = {}  # the Ray remote function, made once per process
-
-
-def _import_ray() -> Any:
-    try:
-        import ray
-        import ray.util.tpu  # noqa: F401  (Ray >= 2.60: SlicePlacementGroup, run_on_slice)
-    except ImportError as exc:
-        raise SliceError(f"run_on_slice needs Ray ({exc}). Install it with: pip install 'tpukit[pod]' "
-                         "(Ray 2.60 with ray.util.tpu), on this machine and on every host of the slice.") from None
-    return ray
 
 
 def _pickle(ray: Any, fn: Callable, args: tuple, kwargs: dict) -> bytes:
@@ -55,130 +38,6 @@ def _pickle(ray: Any, fn: Callable, args: tuple, kwargs: dict) -> bytes:
                          "and create those inside the function (it runs on each host).") from None
 
 
-def _reachable(address: str) -> None:
-    """SliceError when nothing listens at ``address`` (``host:port`` or ``ray://host:port``)."""
-    target = address.split("://", 1)[-1]
-    host, _, port = target.rpartition(":")
-    if not host or not port.isdigit():
-        return  # "auto" and the like: Ray resolves them
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-    except OSError as exc:
-        raise SliceError(f"no Ray cluster is reachable at {address} ({exc.strerror or exc}). Start one on the slice "
-                         "(`ray start --head` on host 0, `ray start --address=HOST0:6379` on the others; README, "
-                         "'When one machine is not enough') and check the address and the firewall.") from None
-
-
-def _connect(ray: Any, address: str | None) -> bool:
-    """Make sure this process is connected to a Ray cluster; True when this call connected it."""
-    if ray.is_initialized():
-        return False
-    if address is None:
-        raise SliceError("this process is not connected to a Ray cluster: call ray.init(address='HOST:6379') first "
-                         "(the address `ray start --head` printed on the slice's host 0), or pass "
-                         "run_on_slice(..., address='HOST:6379'). ray.init() without an address would start a "
-                         "cluster of this machine alone, which has no TPU slice.")
-    _reachable(address)
-    try:
-        ray.init(address=address, log_to_driver=False)
-    except Exception as exc:
-        raise SliceError(f"could not connect to the Ray cluster at {address}: {type(exc).__name__}: {exc}") from None
-    return True
-
-
-def _tpu_hosts(nodes: list[dict]) -> str:
-    """What TPU hosts a cluster has, in words."""
-    groups: dict[tuple, int] = {}
-    for node in nodes:
-        if node.get("Alive") and (node.get("Resources") or {}).get("TPU"):
-            labels = node.get("Labels") or {}
-            key = (labels.get("ray.io/tpu-slice-name") or "(no slice name)",
-                   labels.get("ray.io/tpu-pod-type") or "(no pod type)", labels.get("ray.io/tpu-topology") or "?")
-            groups[key] = groups.get(key, 0) + 1
-    if not groups:
-        return "no TPU host at all (no alive node has a TPU resource)"
-    return "; ".join(f"slice {name!r}: {n} host{'s' if n != 1 else ''} of a {pod} ({topo})"
-                     for (name, pod, topo), n in sorted(groups.items()))
-
-
-def _check_capacity(ray: Any, pod_type: str, topology: str, count: int, chips: int) -> None:
-    """SliceError unless the cluster has a complete slice of this shape (``count`` alive hosts of its pod
-    type with all their chips, host 0 among them), and one whose TPUs are all free."""
-    from ray._private.state import available_resources_per_node  # what ray.util.tpu reads too
-
-    slices: dict[str, list[dict]] = {}
-    for node in ray.nodes():
-        labels = node.get("Labels") or {}
-        if node.get("Alive") and labels.get("ray.io/tpu-pod-type") == pod_type:
-            slices.setdefault(labels.get("ray.io/tpu-slice-name") or node["NodeID"], []).append(node)
-    whole = [nodes for nodes in slices.values()
-             if sum((n.get("Resources") or {}).get("TPU", 0) for n in nodes) == count * chips
-             and any((n.get("Labels") or {}).get(hosts.WORKER_ID_LABEL) == "0" for n in nodes)]
-    if not whole:
-        raise SliceError(f"the Ray cluster has no complete {pod_type} slice (topology {topology}, {count} hosts with "
-                         f"their TPU chips and slice labels): it has {_tpu_hosts(ray.nodes())}. Start Ray on every "
-                         "host of the slice, or ask for the topology the cluster has.")
-
-    def idle(node: dict, free: dict) -> bool:
-        total = (node.get("Resources") or {}).get("TPU", 0)
-        return free.get(node["NodeID"], {"TPU": total}).get("TPU", 0) >= total  # in full use: absent, 0 free
-
-    deadline = time.monotonic() + _FREE_WAIT_S  # TPUs released a moment ago are reported free a little later
-    while not any(all(idle(n, available_resources_per_node()) for n in nodes) for nodes in whole):
-        if time.monotonic() > deadline:
-            raise SliceError(f"all {len(whole)} {pod_type} slice(s) of the Ray cluster are busy: other tasks hold "
-                             "their TPUs. Wait for them to end or cancel them (`ray list tasks`), then call "
-                             "run_on_slice again.")
-        time.sleep(0.25)
-
-
-def _plan(ray: Any, handle: Any, count: int) -> dict:
-    """What every host is told: the host count, the slice name, every host's address in worker order."""
-    from ray.util.tpu import get_tpu_nodes_for_slice
-
-    name = next((sel.get("ray.io/tpu-slice-name") for sel in handle.bundle_label_selector
-                 if sel.get("ray.io/tpu-slice-name")), None)
-    addresses: dict[int, str] = {}
-    for node in (get_tpu_nodes_for_slice(name) if name else []):
-        worker = (node.get("Labels") or {}).get(hosts.WORKER_ID_LABEL)
-        if worker is not None:
-            addresses[int(worker)] = node.get("NodeManagerAddress")
-    names = [addresses[i] for i in sorted(addresses)] if len(addresses) == count else []
-    return {"count": count, "slice": name, "hostnames": names}
-
-
-def _release(handle: Any) -> None:
-    """Remove the slice's placement groups and wait until Ray says they are gone: the slice's TPUs are
-    free for the next run when this returns."""
-    from ray.util import placement_group_table
-
-    groups = [g for g in (handle.slice_placement_group, *handle.head_placement_groups) if g is not None]
-    handle.shutdown()
-    deadline = time.monotonic() + _RELEASE_S
-    for group in groups:
-        while placement_group_table(group).get("state", "REMOVED") != "REMOVED" and time.monotonic() < deadline:
-            time.sleep(0.1)
-
-
-def _with_sources(text: str) -> str:
-    """A host's traceback as this notebook shows its own: a frame in one of this kernel's cells reads
-    ``Cell In[8], line 3``, and a frame whose source the host lacked gets it from here (a function
-    defined in the notebook travels by value: the hosts have its code, not its text)."""
-    lines, out = text.splitlines(), []
-    for i, line in enumerate(lines):
-        m = _FRAME.match(line)
-        if not m:
-            out.append(line)
-            continue
-        label = _ipython.cell_label(m["file"])
-        out.append(f"  Cell In{label}, line {m['line']}{m['rest']}" if label else line)
-        if not (i + 1 < len(lines) and lines[i + 1].startswith("    ")):
-            source = linecache.getline(m["file"], int(m["line"])).strip()
-            if source:
-                out.append(f"    {source}")
-    return "\n".join(out)
-
-
 def _remote(ray: Any, fn: Callable, **options: Any) -> Any:
     """``fn`` as a Ray task, made once per process. Every one runs in a fresh worker process that exits
     after it (max_calls=1: a host's runtime starts with this run's environment and releases the TPU
@@ -187,32 +46,6 @@ def _remote(ray: Any, fn: Callable, **options: Any) -> Any:
     if task is None:
         task = _REMOTE[fn.__name__] = ray.remote(max_calls=1, max_retries=0, **options)(fn)
     return task
-
-
-class _Lines:
-    """Host output to this cell, line by line, each line prefixed ``[host N]``."""
-
-    def __init__(self) -> None:
-        self.partial: dict[tuple[int, str], str] = {}
-
-    def write(self, host: int, stream: str, text: str, final: bool = False) -> None:
-        text = self.partial.pop((host, stream), "") + text
-        parts = _LINE.split(text)
-        ends = ["\n" if end == "\r\n" else end for end in parts[1::2]]
-        out = [f"[host {host}] {line}{end}" for line, end in zip(parts[0::2], ends)]
-        rest = parts[-1]
-        if rest and final:
-            out.append(f"[host {host}] {rest}\n")
-        elif rest:
-            self.partial[(host, stream)] = rest
-        if out:
-            target = getattr(sys, stream)
-            target.write("".join(out))
-            target.flush()
-
-    def flush(self) -> None:
-        for host, stream in list(self.partial):
-            self.write(host, stream, "", final=True)
 
 
 class _Run:
@@ -225,20 +58,16 @@ class _Run:
         self.finished: set = set()  # generators whose host sent its result
         self.hello: dict[Any, tuple] = {}  # generator -> (host, pid, node id)
         self.sent: dict[tuple[int, str], int] = {}  # (host, stream) -> bytes of output received
-        self.lines = _Lines()
+        self.lines = remote.Prefixer("host")
         self.value: Any = None
 
     def run(self, dashboard: bool) -> Any:
         from ray.util import tpu
 
         view = None
+        handle = raycluster.reserve(self.ray, self.topology, self.version, self.timeout)
         try:
-            handle = tpu.slice_placement_group(self.topology, self.version, head_reservation_timeout_s=self.timeout)
-        except Exception as exc:
-            raise SliceError(f"could not reserve a {self.topology} slice within {self.timeout:g} s: "
-                             f"{type(exc).__name__}: {exc}") from None
-        try:
-            plan = _plan(self.ray, handle, self.count)
+            plan = raycluster.slice_plan(self.ray, handle, self.count)
             if dashboard:
                 view = events.open_dashboard(hosts=self.count)
             try:
@@ -258,7 +87,7 @@ class _Run:
             try:
                 self._stop()
             finally:
-                _release(handle)
+                raycluster.release(handle)
                 self.lines.flush()
                 if view is not None:
                     view.close()
@@ -294,25 +123,22 @@ class _Run:
             self._last_words(gen)
             raise SliceError(f"{who}'s task died without a result ({type(exc).__name__}: {str(exc).strip()}): a "
                              f"crash, os._exit or out of memory; its output above may say why{self._others()}.") from None
-        kind = msg[0]
-        if kind == "hello":
-            self.pending[gen] = msg[1]
-            self.hello[gen] = (msg[1], msg[3], msg[4])
-        elif kind == "out":
-            self.lines.write(msg[1], msg[2], msg[3])
-            self.sent[(msg[1], msg[2])] = msg[4]
-        elif kind == "step":
-            events.call("on_step", msg[1])
-        elif kind == "compile":
-            events.call("on_compile", msg[1])
-        elif kind == "done":  # the task still has to end: it stays pending until its stream does
+        if msg.kind == remote.HELLO:
+            self.pending[gen] = msg.source
+            self.hello[gen] = (msg.source, msg.pid, msg.node)
+        elif msg.kind == remote.OUTPUT:
+            self.lines.write(msg.source, msg.stream, msg.text)
+            self.sent[(msg.source, msg.stream)] = msg.sent
+        elif msg.kind in (remote.STEP, remote.COMPILE):
+            remote.publish(msg)
+        elif msg.kind == remote.RESULT:  # the task still has to end: it stays pending until its stream does
             self.finished.add(gen)
-            if msg[1] == 0:
-                self.value = self.ray.cloudpickle.loads(msg[2])
-        elif kind == "error":  # its task ends with its stream; _stop waits for that
+            if msg.primary:
+                self.value = self.ray.cloudpickle.loads(msg.value)
+        elif msg.kind == remote.ERROR:  # its task ends with its stream; _stop waits for that
             self.lines.flush()
-            detail = f". Its traceback:\n\n{_with_sources(msg[3]).rstrip()}" if msg[3] else "."
-            raise SliceError(f"host {msg[1]} failed: {msg[2]}{self._others(gen)}{detail}")
+            detail = f". Its traceback:\n\n{remote.with_sources(msg.traceback).rstrip()}" if msg.traceback else "."
+            raise SliceError(f"host {msg.source} failed: {msg.summary}{self._others(gen)}{detail}")
 
     def _last_words(self, gen: Any) -> None:
         """Show what a host that died wrote but could not send: read on its node from its output files."""
@@ -386,14 +212,14 @@ def run_on_slice(fn: Callable[..., Any], *args: Any, topology: str = "4x4", acce
     """
     if not callable(fn):
         raise TypeError(f"run_on_slice(fn, ...) needs a function, got {type(fn).__name__}.")
-    ray = _import_ray()
+    ray = raycluster.import_ray()
     version = hosts.ray_version(accelerator_version)
     pod_type, count, chips = hosts.slice_shape(topology, accelerator_version)
     topology = str(topology).strip().lower()
     payload = _pickle(ray, fn, args, kwargs)
-    connected_here = _connect(ray, address)
+    connected_here = raycluster.connect(ray, address)
     try:
-        _check_capacity(ray, pod_type, topology, count, chips)
+        raycluster.check_capacity(ray, pod_type, topology, count, chips)
         return _Run(ray, payload, topology, version, count, timeout).run(dashboard)
     finally:
         if connected_here:
