@@ -1,7 +1,7 @@
 """Eager mode's per-op compiles, named at the user's line.
 
 torch_xla writes no compilation analysis for eager-mode ops, so tpukit watches
-them itself: while eager mode is on (``_xla.on_eager_mode`` follows the switch),
+them itself: while eager mode is on (``_xla.eager.follow`` reports the switch),
 a ``TorchFunctionMode`` sits on the torch-function stack of the thread that
 switched it on and reads the runtime's compile counter around each torch call.
 When the counter moved, the call compiled: each compile is published through
@@ -115,4 +115,4 @@ def _switch(enabled: bool) -> None:
         torch._C._push_on_torch_function_stack(mode)
 
 
-_xla.on_eager_mode(_switch)
+_xla.eager.follow(_switch)  # the switch's one follower (tpukit/_xla/eager.py)

@@ -1,0 +1,86 @@
+"""Importing torch_xla: lazily, once per module, with failures turned into tpukit errors.
+
+Every other module of the adapter reaches torch_xla through :func:`module`
+(or the shortcuts below it), never with an ``import`` statement, so that
+``import tpukit`` stays cheap and tpukit can set environment variables (device
+kind, virtual CPU devices, compile tracing) before the runtime reads them.
+
+A failed import says what to do: a torch/torch_xla pair built for different
+releases (an undefined symbol in ``_XLAC``) raises
+:class:`~tpukit.VersionMismatchError`, a missing torch_xla
+:class:`~tpukit.TorchXlaMissingError`, both with the install command.
+
+After each first import the eager-mode switch is wrapped (:mod:`.eager`), so
+that it is followed from whichever torch_xla module is loaded first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+from .. import environment
+from ..errors import TorchXlaMissingError, VersionMismatchError
+from . import eager
+
+_MODULES: dict[str, Any] = {}
+
+
+def is_imported() -> bool:
+    """True when torch_xla has been imported in this process (by anyone)."""
+    return "torch_xla" in sys.modules
+
+
+def module(name: str = "torch_xla") -> Any:
+    """The torch_xla module ``name``, imported on first use."""
+    mod = _MODULES.get(name)
+    if mod is None:
+        mod = _MODULES[name] = _import(name)
+        eager.watch()
+    return mod
+
+
+def _import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        text = str(exc)
+        if "undefined symbol" in text or "torch_xla/_XLAC" in text:
+            v = environment.versions()
+            raise VersionMismatchError(
+                f"torch_xla {v.get('torch_xla')} cannot load with torch {v.get('torch')}: "
+                f"its C extension was built for another torch release ({text.splitlines()[0][:160]}). "
+                f"Install a matching pair: {environment.install_command()}"
+            ) from None
+        if exc.name and exc.name.split(".")[0] == "torch_xla":
+            raise TorchXlaMissingError(
+                "torch_xla is not installed in this Python environment. "
+                f"Install it with: {environment.install_command()}"
+            ) from None
+        raise
+
+
+def torch_xla() -> Any:
+    """The imported ``torch_xla`` module (imports it on first call)."""
+    return module("torch_xla")
+
+
+def runtime() -> Any:
+    """The ``torch_xla.runtime`` module."""
+    return module("torch_xla.runtime")
+
+
+def xlac() -> Any:
+    """torch_xla's C extension, ``torch_xla._XLAC`` (the calls with no public Python wrapper)."""
+    return torch_xla()._XLAC
+
+
+def xm() -> Any:
+    """``torch_xla.core.xla_model``."""
+    return module("torch_xla.core.xla_model")
+
+
+def xs() -> Any:
+    """``torch_xla.distributed.spmd``."""
+    return module("torch_xla.distributed.spmd")
