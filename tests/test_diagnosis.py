@@ -21,7 +21,7 @@ import torch
 from conftest import run_python
 
 import tpukit
-from tpukit import classify, graphs
+from tpukit.compiles import classify, graphs
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 LOOPS_FILE = "_diag_loops.py"

@@ -15,7 +15,7 @@ import os
 import torch
 
 import tpukit
-from tpukit import classify
+from tpukit.compiles import classify
 
 MASK_FILE = "transformers/masking_utils.py"
 TESTS = os.path.dirname(os.path.abspath(__file__))

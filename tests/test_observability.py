@@ -39,7 +39,7 @@ def _train_step(model, opt, x, y):
 
 def test_tracing_is_on_in_this_process(rt):
     assert compiles.tracing_enabled()
-    assert compiles.log().path == rt.trace_file
+    assert compiles.reader().path == rt.trace_file
 
 
 def test_induced_recompilation_is_found_at_the_right_line(rt):
@@ -178,7 +178,7 @@ def test_compiling_now_while_a_large_graph_compiles(rt):
     t.join()
     assert seen is not None and seen.compiling and seen.start <= time.time()
     assert tpukit.compiling_now() is None
-    done = compiles.log().events[seen.index]
+    done = compiles.reader().events[seen.index]
     assert done.end is not None and done.duration > 0
 
 
@@ -292,8 +292,7 @@ def test_compile_events_end_under_spmd():
             "from tpukit import compiles, _xla\n"
             "x = tpukit.shard_batch(torch.randn(8, 4), tpukit.mesh())\n"
             "y = (x * 2).sum(); _xla.sync(wait=True)\n"
-            "compiles.event_count()  # polls the trace file\n"
-            "evs = compiles.log().events\n"
+            "evs = compiles.settled()  # waits for the reader\n"
             "print(len(evs), all(e.end is not None for e in evs), tpukit.compiling_now())\n")
     out = run_python(code, env={"PJRT_DEVICE": "CPU"})
     assert out.returncode == 0, out.stderr

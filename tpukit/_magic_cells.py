@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import sys
-import time
 from typing import Any, Callable
 
 from . import _ipython, _xla, compiles, metrics
@@ -124,45 +123,18 @@ def _pending_hlo_report(shell: Any) -> str:
     return head + "\n" + _xla.pending_hlo(pending).rstrip()
 
 
-def _evidence(ev: Any) -> list[str]:
-    """The evidence phrases, without a graph size the line already shows."""
-    size = f" ({ev.graph.size})" if ev.graph is not None else ""
-    return [e[:-len(size)] if size and e.endswith(size) else e for e in ev.evidence]
-
-
 def compile_line(ev: Any, where: str | None = None, trusted: bool = True, hint: bool = True) -> str:
-    """``recompilation: step graph at cell [4] line 9 (12 ops, 2 -> 1), 0.3 s: input 1: f32[8,16] ->
-    f32[8,24]. Hint [graph 1a2b3c4d]``: the label, ``ev.name`` (``where`` replaces its place), the
-    evidence and the hint, the hash last. Untrusted: only "compile" and the name."""
-    took = "still compiling" if ev.end is None else f"{ev.duration:.1f} s"
-    name = ev.name if where is None else ev.name.replace(f" at {ev.where}", f" at {where}", 1)
-    text = f"{ev.label if trusted else 'compile'}: {name}, {took}"
-    evidence = _evidence(ev) if trusted else []
-    if evidence:
-        text += ": " + "; ".join(evidence)
-    if trusted and hint and ev.hint:
-        text += f". {ev.hint[0].upper()}{ev.hint[1:]}"
-    return text + ("" if getattr(ev, "eager", False) else f" [graph {ev.graph_hash[:8] or '?'}]")
+    """One compile as ``%%xla`` and ``%xla_watch`` print it: :func:`tpukit.compiles.describe`, compact."""
+    return compiles.describe(ev, where, trusted, hint, compact=True)
 
 
-def _classified(first: int, patience: float = 2.5) -> list:
-    """The compile events since ``first``, waiting (at most ``patience`` s) for those that ended to be
-    classified: their HLO file may reach the dump directory just after the compile ends."""
-    deadline = time.monotonic() + patience
-    while True:
-        found = compiles.events_since(first)
-        if time.monotonic() > deadline or not any(e.kind == compiles.PENDING and e.end is not None for e in found):
-            return found
-        time.sleep(0.05)
-
-
-def _cell_event_lines(events: list, sync_from: int, number: int, delta: Any) -> list[str]:
+def _cell_event_lines(events: list, sync_from: compiles.Mark, number: int, delta: Any) -> list[str]:
     """One line per compile; compiles of the closing sync are placed at the end of the cell."""
     lines = []
     hints: set[str] = set()
     for ev in events:
         where, trusted = None, True
-        if ev.index >= sync_from:
+        if not sync_from.before(ev):
             where = f"the end of cell [{number}] (the sync %%xla adds)"
             # A place is keyed by the user frames on the stack. When no cell is among them
             # (torch_xla keeps only the innermost frames; wrappers such as IPython 7's
@@ -202,10 +174,10 @@ def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
     code, last, _name = _compile_cell(shell, line, cell, number)
 
     before = _synced_snapshot()  # earlier cells' pending work is theirs, not this cell's
-    first_event = compiles.event_count()
+    first_event = compiles.mark()
     exec(code, shell.user_global_ns, shell.user_ns)
     value = eval(last, shell.user_global_ns, shell.user_ns) if last is not None else None
-    sync_from = compiles.event_count()
+    sync_from = compiles.mark()
     hlo = _pending_hlo_report(shell) if args.hlo and _xla.runtime_initialized() else None
     if _xla.runtime_initialized():
         # The closing sync, called here and not in a helper: torch_xla records only the innermost
@@ -214,7 +186,7 @@ def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
         _xla.wait_device_ops()
     delta = snapshot_now() - before
 
-    found = _classified(first_event) if not args.quiet or args.max_compiles is not None else []
+    found = compiles.settled(since=first_event) if not args.quiet or args.max_compiles is not None else []
     lines = _cell_event_lines(found, sync_from, number, delta)
     explain = _explain(found, delta) if args.explain and not args.quiet else None
     if hlo is not None and not args.quiet:
@@ -300,11 +272,11 @@ class Watch:
 
     def __init__(self, stop: Callable[[], None]) -> None:
         self.stop = stop  # turns watching off (the extension's stop_watch)
-        self.before: tuple[Any, int] | None = None
+        self.before: tuple[Any, compiles.Mark] | None = None
 
     def pre(self, info: Any = None) -> None:
         try:
-            self.before = (snapshot_now(), compiles.event_count())
+            self.before = (snapshot_now(), compiles.mark())
         except Exception as exc:
             self._fail(exc)
 
@@ -324,12 +296,12 @@ class Watch:
             print(line)
 
     @staticmethod
-    def _line(before: tuple[Any, int], number: int | None) -> str | None:
+    def _line(before: tuple[Any, compiles.Mark], number: int | None) -> str | None:
         delta = metrics.snapshot() - before[0]
         if not delta.compiles and not delta.fallbacks:
             return None
         text = f"%xla_watch [{number}]: {delta}" if number is not None else f"%xla_watch: {delta}"
-        events = _classified(before[1]) if delta.compiles else []
+        events = compiles.settled(since=before[1]) if delta.compiles else []
         if events:
             # The first recompilation (the alarm) when there is one, else the first compile.
             ev = next((e for e in events if e.recompilation), events[0])

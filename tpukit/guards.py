@@ -19,7 +19,7 @@ def compile_lines(events: list[CompileEvent], compiled: int) -> str:
         why = "" if compiles.tracing_enabled() else (
             " (causes unknown: compile tracing is off; call tpukit.setup() before importing torch_xla)")
         return f"  {compiled} compile(s){why}"
-    return "\n".join(f"  - {e.describe()}" for e in events)
+    return "\n".join(f"  - {compiles.describe(e)}" for e in events)
 
 
 class expect_compiles:
@@ -41,14 +41,14 @@ class expect_compiles:
         if self.sync:
             _xla.sync()
         self._before = metrics.snapshot()
-        self._events_before = compiles.event_count()
+        self._mark = compiles.mark()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         if self.sync and exc_type is None:
             _xla.sync()
         self.compiled = (metrics.snapshot() - self._before).compiles
-        self.events = compiles.events_since(self._events_before)
+        self.events = compiles.settled(since=self._mark)
         if exc_type is None and self.compiled > self.max:
             raise RecompilationError(
                 f"expected at most {self.max} compile(s) but the block compiled {self.compiled}:\n"

@@ -14,19 +14,15 @@ from __future__ import annotations
 import dataclasses
 import html
 import os
-import re
-import tempfile
 import threading
 from dataclasses import dataclass
 
 from ._version import __version__
-from . import _ipython, _xla, cache, environment, graphs
+from . import _ipython, _xla, cache, compiles, environment
 from ._text import table_html, table_text
 from .errors import DeviceNotFoundError, TorchXlaMissingError, VersionMismatchError
 
 DEVICE_CHOICES = ("auto", "tpu", "cpu")
-TRACE_LEVEL_ENV = "PT_XLA_DEBUG_LEVEL"
-TRACE_FILE_ENV = "PT_XLA_DEBUG_FILE"
 METRIC_SAMPLES_ENV, METRIC_SAMPLES = "XLA_METRICS_SAMPLES", "64"  # set it yourself to keep more
 RANK_ENV = "TPUKIT_REPLICA_RANK"  # set by tpukit.launch in independent replicas, by run_on_slice on each host
 
@@ -125,9 +121,6 @@ def current() -> Runtime | None:
     return _STATE[0] if _STATE else None
 
 
-_CONFIGURED_TRACE: str | None = None  # the trace file configure() chose for this process
-
-
 def started() -> bool:
     """True once the XLA runtime runs (a device was used); never starts it or imports torch_xla."""
     return _xla.runtime_initialized()
@@ -136,68 +129,7 @@ def started() -> bool:
 def trace_file() -> str | None:
     """Path of the compile-trace file torch_xla writes to in this process, if tracing is on."""
     rt = current()
-    if rt is not None:
-        return rt.trace_file
-    if _CONFIGURED_TRACE:
-        return _CONFIGURED_TRACE
-    return _active_trace_file()
-
-
-def _active_trace_file() -> str | None:
-    try:
-        level = int(os.environ.get(TRACE_LEVEL_ENV, "0") or 0)
-    except ValueError:
-        level = 0
-    path = os.environ.get(TRACE_FILE_ENV)
-    return path if level >= 1 and path else None
-
-
-def _inherited(path: str) -> bool:
-    """True for a trace file tpukit made for another process (its pid is in the name)."""
-    m = re.search(r"tpukit-[^/\\]*[/\\]compiles-(\d+)\.log$", path)
-    return bool(m) and int(m.group(1)) != os.getpid()
-
-
-HLO_SUFFIX = ".hlo"
-_DUMP_FLAG = re.compile(r"--xla_dump_to=\S*tpukit-[^\s/\\]*[/\\]compiles-\d+\.log\.hlo\S*|--xla_dump_hlo_as_text|"
-                        r"--xla_dump_hlo_pass_re=\^\$")
-
-
-def _configure_hlo_dump(trace: str) -> None:
-    """Have XLA dump each compiled graph's HLO next to the trace file (only when it compiles),
-    unless the user dumps somewhere already; drops another process's tpukit dump flags."""
-    flags = _DUMP_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).split()
-    if any(f.startswith("--xla_dump_to") for f in flags):
-        os.environ["XLA_FLAGS"] = " ".join(flags)
-        return  # the user's own dump wins; compile evidence then comes from the batches alone
-    folder = trace + HLO_SUFFIX
-    os.makedirs(folder, exist_ok=True)
-    os.environ["XLA_FLAGS"] = " ".join(flags + graphs.dump_flags(folder).split())
-
-
-def release_hlo_dump_flags() -> None:
-    """Remove tpukit's dump flags from XLA_FLAGS once XLA has read them (at its first compile),
-    so processes started from here (``!python train.py``) do not dump into this process's folder."""
-    rest = _DUMP_FLAG.sub("", os.environ.get("XLA_FLAGS", "")).split()
-    if rest:
-        os.environ["XLA_FLAGS"] = " ".join(rest)
-    else:
-        os.environ.pop("XLA_FLAGS", None)
-
-
-def hlo_dir() -> str | None:
-    """The folder XLA dumps this process's compiled graphs into (next to the trace file), if any."""
-    trace = trace_file()
-    folder = trace + HLO_SUFFIX if trace else None
-    return folder if folder and os.path.isdir(folder) else None
-
-
-def _new_trace_path() -> str:
-    folder = os.path.join(tempfile.gettempdir(), f"tpukit-{os.getuid() if hasattr(os, 'getuid') else 'user'}")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"compiles-{os.getpid()}.log")
-    open(path, "w").close()  # start empty: torch_xla appends
-    return path
+    return rt.trace_file if rt is not None else compiles.trace_file()
 
 
 def _validate(req: Request) -> None:
@@ -255,10 +187,8 @@ def configure(req: Request | None = None, env: environment.Environment | None = 
     Returns the trace-file path (or None) and the problems found. Safe to call
     before torch_xla is imported (that is when it can do the most).
     """
-    global _CONFIGURED_TRACE
     req = req or Request()
     env = env or environment.inspect()
-    problems: list[str] = []
     kind = resolve_device(req, env)
     if not _xla.is_imported():
         # torch_xla keeps 1024 timing samples per metric and copies them all on every
@@ -268,25 +198,9 @@ def configure(req: Request | None = None, env: environment.Environment | None = 
         os.environ["PJRT_DEVICE"] = kind
         if req.cpu_devices and kind == "CPU":
             os.environ["CPU_NUM_DEVICES"] = str(req.cpu_devices)
-    trace = None
-    if req.trace_compiles:
-        trace = _active_trace_file()
-        if trace is not None and not _xla.is_imported() and _inherited(trace):
-            trace = None  # another process's tpukit file (e.g. the notebook kernel's): use our own
-        if trace is None and not _xla.is_imported():
-            trace = _CONFIGURED_TRACE = _new_trace_path()
-            os.environ[TRACE_LEVEL_ENV] = "1"
-            os.environ[TRACE_FILE_ENV] = trace
-            # torch_xla keeps 8 frames by default: too few to reach the user's line under a
-            # library loop (a Trainer, a device loader, dynamo). Only written when something compiles.
-            os.environ.setdefault("PT_XLA_DEBUG_MAX_FRAME", "64")
-            _configure_hlo_dump(trace)
-        elif trace is None:
-            problems.append(
-                "Compile causes are unavailable: torch_xla was imported before tpukit configured compile "
-                "tracing (counts still work). Restart the kernel and call tpukit.setup() or %load_ext tpukit "
-                "before importing torch_xla.")
-    return trace, problems
+    if not req.trace_compiles:
+        return None, []
+    return compiles.configure(runtime_imported=_xla.is_imported())
 
 
 def _unapplied(req: Request, rt: Runtime, only: tuple[str, ...] = ("device", "cpu_devices", "spmd", "trace", "cache")) -> list[str]:

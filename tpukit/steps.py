@@ -10,6 +10,7 @@ they are already device data: logging never adds an execution to the step.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any, Callable
 
 from . import _xla, compiles, events, metrics
 from .compiles import CompileEvent
+from .verdict import BOTTLENECKS, Verdict, bottleneck  # noqa: F401 (moving: profile still imports them here)
 
 
 @dataclass(frozen=True)
@@ -84,20 +86,26 @@ class Clock:
         self.step = first_step - 1
         self.last = metrics.snapshot()
         self.last_time = time.time()
-        self.events_seen = compiles.event_count()
+        self.mark = compiles.mark()
+        self.span: tuple[compiles.Mark, compiles.Mark] = (self.mark, self.mark)  # the last step's compiles
         self.busy_until = self.last_time
 
-    def tick(self, scalars: dict, batch_size: int | None = None, **times: float) -> StepRecord:
+    def tick(self, scalars: dict, batch_size: int | None = None, settle: float = 3.0, **times: float) -> StepRecord:
         """The record of the step that ended at the sync just made (``times``: the measured
         ``input_time``, ``tracing_time``, ``wait_time`` of a tracked step; compile time is
-        taken out of the tracing time here)."""
+        taken out of the tracing time here). Its compile events are the reader's, classified
+        (waiting at most ``settle`` seconds), or as they are now with ``settle=0``: a tracked
+        loop settles them later, with :func:`settle`, when waiting costs nothing."""
         now_snap, executed = metrics.snapshot_and_executions()
         d = now_snap - self.last
         if "tracing_time" in times:
             times["tracing_time"] = max(0.0, times["tracing_time"] - d.compile_time)
-        n = compiles.event_count()
-        events_ = tuple(compiles.events_since(self.events_seen)) if n > self.events_seen else ()
-        self.events_seen = n
+        upto = compiles.mark()
+        self.span, self.mark = (self.mark, upto), upto
+        events_ = ()
+        if d.compiles or upto != self.span[0]:
+            found = compiles.settled(upto, self.span[0], settle) if settle else compiles.started_between(*self.span)
+            events_ = _own(found)
         self.step += 1
         rec = StepRecord(step=self.step, start=self.last_time, end=now_snap.time, compiles=d.compiles,
                          eager_compiles=d.eager_compiles,
@@ -108,12 +116,26 @@ class Clock:
         self.last, self.last_time = now_snap, now_snap.time
         return rec
 
+    @staticmethod
+    def settle(record: StepRecord, span: tuple[compiles.Mark, compiles.Mark], timeout: float = 3.0) -> StepRecord:
+        """``record`` with its compile events classified: the reader's final events of ``span``."""
+        if not record.compile_events and not record.compiles:
+            return record
+        return dataclasses.replace(record, compile_events=_own(compiles.settled(span[1], span[0], timeout)))
+
     def drain(self, samples: list[tuple[float, float]] | None = None) -> float:
         """Device busy seconds that completed since the last drain (executions merged as intervals);
         ``samples`` when the caller has just read them, else read now."""
         found = metrics.execute_samples() if samples is None else samples
         added, self.busy_until = busy_time(found, self.busy_until)
         return added
+
+
+def _own(found: list[CompileEvent]) -> tuple[CompileEvent, ...]:
+    """The compiles of a step that belong to the loop open on this thread (and those no loop
+    claims): another thread's loop's compiles, made meanwhile, are not this step's."""
+    loop = compiles.context.current()
+    return tuple(found) if loop is None else tuple(e for e in found if e.loop in (None, loop.id))
 
 
 def busy_time(samples: list[tuple[float, float]], since: float) -> tuple[float, float]:
@@ -272,84 +294,16 @@ def on_step(fn: Callable[[StepRecord], Any], every: int = 1) -> Callable[[], Non
     """
     if not callable(fn) or not isinstance(every, int) or every < 1:
         raise ValueError("on_step(fn, every=N) needs a callable and a positive int N.")
-    listener = events.add_listener(_EveryN(fn, every))
+    listener = add_listener(_EveryN(fn, every))
     return lambda: events.remove_listener(listener)
 
 
-# A listener with on_step added while the runtime runs needs the sync hook armed.
-events.when_added(lambda listener: ensure_hook() if callable(getattr(listener, "on_step", None)) else None)
-
-
-# ------------------------------------------------------------------ where the time goes
-
-BOTTLENECKS = ("compile", "input", "tracing", "device")
-_SUGGEST = {
-    "compile": "compiling dominates: find the recompilation alarms and fix their cause (bucket or pad the "
-               "inputs, pass changing values as tensors); on a TPU keep the persistent compilation cache on",
-    "input": "the loop waits for its data: use more DataLoader workers (num_workers), prefetch with "
-             "tpukit.device_loader / track(DataLoader), or preprocess once up front",
-    "tracing": "the host spends the step tracing Python ops: wrap the step in torch_xla.compile, fuse small "
-               "ops, or do more work per step (a bigger batch)",
-    "device": "the device is the limit: use bf16 (torch.autocast('xla', dtype=torch.bfloat16)), a bigger "
-              "batch per chip, or more chips",
-}
-
-
-@dataclass(frozen=True)
-class Verdict:
-    """Where a loop's time went: the bottleneck, the measured shares of wall time, and what to do.
-
-    ``shares`` are fractions of wall time over the judged steps: ``compile``, ``input``
-    (waiting for the next batch) and ``tracing`` (host time in the loop body and the
-    sync, compiles excluded) are host-side and add up to at most 1; ``device`` is the
-    time the device was busy, which overlaps the host's.
-    """
-
-    bottleneck: str
-    shares: dict
-    steps: int
-    settled: bool
-    sentence: str
-    suggestion: str
-
-
-def bottleneck(records: list, settled_after: int | None = None, tail_wait: float = 0.0,
-               tail_device: float = 0.0) -> Verdict | None:
-    """Judge a loop's bottleneck over the steps after ``settled_after`` (all steps when None
-    or when too few are left), with ``tail_wait``/``tail_device`` the final wait for the device.
-
-    compile when compiling takes at least half the wall time; else input when waiting
-    for data is the largest host share (and at least a quarter); else device when the
-    device was busy at least 60% of the time; else tracing.
-    """
-    timed = [r for r in records if r.input_time is not None]
-    if not timed:
-        return None
-    judged = [r for r in timed if settled_after is not None and r.step > settled_after]
-    settled = settled_after is not None and len(judged) >= 2
-    if not settled:
-        judged = timed
-    wall = sum(r.wall for r in judged) + tail_wait
-    if wall <= 0:
-        return None
-
-    def share(total: float) -> float:
-        return min(1.0, total / wall)
-
-    shares = {"compile": share(sum(r.compile_time for r in judged)),
-              "input": share(sum(r.input_time for r in judged)),
-              "tracing": share(sum(r.tracing_time for r in judged)),
-              "device": share(sum(r.device_time or 0.0 for r in judged) + tail_device)}
-    if shares["compile"] >= 0.5:
-        kind = "compile"
-    elif shares["input"] >= max(shares["tracing"], 0.25):
-        kind = "input"
-    elif shares["device"] >= 0.6:
-        kind = "device"
-    else:
-        kind = "tracing"
-    over = (f"the {len(judged)} steps after step {settled_after}" if settled and settled_after
-            else f"all {len(judged)} steps" + ("" if settled else " (the loop never settled)"))
-    pct = ", ".join(f"{k} {shares[k]:.0%}" for k in BOTTLENECKS)
-    sentence = f"{kind}-bound over {over}: {pct} of the wall time"
-    return Verdict(kind, shares, len(judged), settled, sentence, _SUGGEST[kind])
+def add_listener(listener: Any) -> Any:
+    """Register a listener (see :mod:`tpukit.events`): an object whose optional ``on_step(record)``,
+    ``on_compile(event)``, ``on_track_start(tracker)`` and ``on_track_end(tracker)`` methods receive
+    records as they happen. One with ``on_step`` arms the sync hook, so syncs outside ``track()``
+    make step records too."""
+    events.add_listener(listener)
+    if callable(getattr(listener, "on_step", None)):
+        ensure_hook()
+    return listener

@@ -17,7 +17,7 @@ _HIDDEN_PARTS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + o
                  os.sep + "torch" + os.sep, os.sep + "torch_xla" + os.sep, os.sep + "IPython" + os.sep,
                  os.sep + "ipykernel" + os.sep)
 _MACHINERY_PARTS = _HIDDEN_PARTS[2:]
-_SRC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (tpukit/compiles/..)
 _LIB_ROOTS = (os.path.join(_SRC, "tpukit") + os.sep, os.path.join(_SRC, "widgets") + os.sep,
               sysconfig.get_paths()["stdlib"] + os.sep)  # contextlib, threading, ...
 

@@ -133,17 +133,18 @@ class Classifier:
     places: dict = field(default_factory=dict)  # place key -> [_Seen, ...]
 
     def classify(self, place: Any, graph: Graph | None, inputs: Signature | None, counts: tuple[int, int],
-                 declared: frozenset = frozenset()) -> Finding:
+                 declared: frozenset = frozenset(), batch_hint: str | None = None) -> Finding:
         """Classify a compile at ``place`` (graph from XLA's dump when available, the step's
-        batch signature, the (inputs, outputs) counts from torch_xla's trace, declared shapes)."""
+        batch signature, the (inputs, outputs) counts from torch_xla's trace, declared shapes;
+        ``batch_hint``: the loop's own hint for a batch that changed shape)."""
         seen = self.places.setdefault(place, [])
-        finding = self._judge(seen, graph, inputs, counts, declared)
+        finding = self._judge(seen, graph, inputs, counts, declared, batch_hint)
         seen.append(_Seen(graph, inputs, counts))
         return finding
 
     @staticmethod
     def _judge(seen: list[_Seen], graph: Graph | None, inputs: Signature | None, counts: tuple[int, int],
-               declared: frozenset) -> Finding:
+               declared: frozenset, batch_hint: str | None = None) -> Finding:
         if not seen:
             size = f" ({graph.size})" if graph else ""
             return Finding(NEW, (f"first graph here{size}",))
@@ -163,4 +164,4 @@ class Classifier:
         if _declared(prev.inputs, inputs, declared):
             return Finding(EXPECTED, tuple(evidence) + ("a declared shape",))
         return Finding(RECOMPILATION, tuple(evidence) or ("same computation, nothing visible changed",),
-                       _hint(evidence, bool(from_batch)))
+                       (from_batch and batch_hint) or _hint(evidence, bool(from_batch)))
