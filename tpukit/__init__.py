@@ -34,6 +34,7 @@ from .spmd import device_loader, fsdp, mesh, shard_batch, sharding_spec
 from .steps import StepRecord, log, on_step
 from .track import Tracker, dashboard, track
 from . import widgets  # noqa: F401 (registers the dashboard UI with events; imports no UI library)
+from . import data  # noqa: F401 (tpukit.data.bert_mask(...) after `import tpukit`: batching and the bucket advisor)
 from . import eager  # noqa: F401 (follows torch_xla's eager mode to name its per-op compiles)
 
 __all__ = [

@@ -42,6 +42,11 @@ class SliceError(LaunchError):
     """A run on the hosts of a TPU slice (``tpukit.run_on_slice``) could not start or a host failed."""
 
 
+class DataError(TpukitError, ValueError):
+    """Bad input to tpukit.data's batching helpers or to the bucket advisor (empty lengths, a batch
+    size below 1, ...)."""
+
+
 class ShardingError(TpukitError, ValueError):
     """A tensor cannot be split the way it was asked to (e.g. an indivisible batch)."""
 
