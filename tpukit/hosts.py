@@ -46,7 +46,6 @@ GROUP_PORT_ENV, DEFAULT_GROUP_PORT = "TPUKIT_GROUP_PORT", 8479  # process_group(
 ALIASES = {"v5e": "v5litepod", "v5lite": "v5litepod", "v5litepod": "v5litepod", "v5p": "v5p", "v6e": "v6e",
            "v7x": "v7x", "v4": "v4", "v3": "v3", "v2": "v2"}
 _TICK_S = 0.2        # how often the host pumps its queue while the function runs
-_POLL_COMPILES_S = 1.0
 _DRAIN_S = 2.0       # how long to wait for the last output after the function returned
 _TAIL_S = 0.05       # how often a host's output files are read
 _STALE_S = 600.0     # a dead host process's output files are removed after this long (cancelled runs)
@@ -309,11 +308,12 @@ def _run(payload: bytes, host: int, outcome: dict) -> None:
     outcome["message"] = msg
 
 
-def _poll_compiles() -> None:
-    """Read the compile-trace file now, so a long compile reaches the notebook while it runs."""
+def _settle_compiles() -> None:
+    """Wait (briefly) until the compile reader has published every compile of the function, so the
+    last one's classification reaches the notebook before the result does."""
     try:
         if runtime.started() and compiles.tracing_enabled():
-            compiles.compiling_now()
+            compiles.settled()
     except Exception:  # telemetry must never break the host's training
         pass
 
@@ -358,14 +358,10 @@ def slice_host(payload: bytes, plan: Mapping[str, Any]) -> Iterator[remote.Messa
         with _Capture(q.put, host):
             worker = threading.Thread(target=_run, args=(payload, host, outcome), name="tpukit-host-main", daemon=True)
             worker.start()
-            next_poll = time.monotonic() + _POLL_COMPILES_S
-            while worker.is_alive():
+            while worker.is_alive():  # compile events arrive from the compile reader's thread
                 worker.join(_TICK_S)
                 yield from _drain(q)
-                if time.monotonic() >= next_poll:
-                    _poll_compiles()
-                    next_poll = time.monotonic() + _POLL_COMPILES_S
-        _poll_compiles()  # the last compile's end
+        _settle_compiles()
     finally:
         events.remove_listener(listener)
     yield from _drain(q)
