@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from . import _xla, events, steps
-from ._text import plural, seconds, table_html, table_text
-from .errors import TpukitError
-from .steps import StepRecord, Verdict
+from .. import _xla, events, steps
+from .._text import plural, seconds, table_html, table_text
+from ..errors import TpukitError
+from ..steps import StepRecord, Verdict
 
 log = logging.getLogger("tpukit")
 
