@@ -244,8 +244,7 @@ def test_header_shows_spmd_devices_and_problems():
 def test_widget_values_after_synthetic_events(rt, opened):
     # Earlier tests' compiles (some written to the trace by their child processes) read and
     # classified before this dashboard listens: it must count only the synthetic events below.
-    compiles.event_count()
-    compiles.current(tuple(compiles.log().events), wait=3.0)
+    compiles.settled()
     d = Dashboard(mode="widgets", show=False)
     opened.append(d)
     assert d.mode == "widgets" and d.running and d in events.listeners()
@@ -274,23 +273,21 @@ def test_image_is_hidden_until_the_first_plot(rt, opened):
     assert d._live.image.layout.display is None and d.image.startswith(PNG)
 
 
-def test_thread_updates_now_line_while_main_thread_is_blocked(rt, opened, monkeypatch):
+def test_thread_updates_now_line_while_main_thread_is_blocked(rt, opened):
     running = event(9, kind="compile", start=time.time() - 12.0, end=None)
-    monkeypatch.setattr(compiles, "tracing_enabled", lambda: True)
-    monkeypatch.setattr(compiles, "compiling_now", lambda: running)
     d = Dashboard(mode="widgets", show=False, plot=False)
     opened.append(d)
+    events.call("on_compile", running)  # the reader publishes a compile as it starts
     time.sleep(1.2)  # the main thread does nothing: only the dashboard's thread can update the widget
     now = d.values()["now"]
     assert re.search(r"compiling step graph at cell \[7\] line 5 \(3 -&gt; 2\) for 1[23] s", now), now
 
 
-def test_text_mode_in_a_terminal_reports_a_long_compile_from_the_thread(rt, opened, monkeypatch, capsys):
+def test_text_mode_in_a_terminal_reports_a_long_compile_from_the_thread(rt, opened, capsys):
     running = event(11, kind="compile", start=time.time() - 30.0, end=None)
-    monkeypatch.setattr(compiles, "tracing_enabled", lambda: True)
-    monkeypatch.setattr(compiles, "compiling_now", lambda: running)
     d = Dashboard(mode="text", text_every=0.2, show=False)
     opened.append(d)
+    events.call("on_compile", running)  # started, never finished: the thread says so
     assert wait_for(lambda: "compiling step graph at cell [7] line 5" in capsys.readouterr().out, timeout=3.0)
     time.sleep(0.3)
     d.close()

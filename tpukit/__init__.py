@@ -33,9 +33,13 @@ from .runtime import Runtime, rank, setup
 from .spmd import device_loader, fsdp, mesh, shard_batch, sharding_spec
 from .steps import StepRecord, log, on_step
 from .track import Tracker, dashboard, track
-from . import widgets  # noqa: F401 (registers the dashboard UI with events; imports no UI library)
+from . import events, widgets  # the notebook UI (imports no UI library)
 from . import data  # noqa: F401 (tpukit.data.bert_mask(...) after `import tpukit`: batching and the bucket advisor)
 from . import eager  # noqa: F401 (follows torch_xla's eager mode to name its per-op compiles)
+
+# The one arrow from the core to the UI, drawn here where everything is imported: what
+# tpukit.dashboard() and track(dashboard=True) open (the core cannot import widgets).
+events.set_dashboard_factory(widgets.open_view)
 
 __all__ = [
     "__version__",

@@ -12,7 +12,6 @@ import sys
 
 from tpukit import _ipython
 
-CONTEXTS = ("colab", "jupyter", "ipython", "none")
 MODES = ("auto", "widgets", "text")
 ENV_VAR = "TPUKIT_DASHBOARD"  # "text" or "widgets": overrides mode="auto" (set it for nbval/nbconvert runs)
 # Environments where a kernel runs without anyone looking at widgets. nbval and

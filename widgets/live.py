@@ -1,7 +1,7 @@
 """The live widget view: plain ipywidgets (HTML, Image, VBox, Layout), 7.x and 8.x alike.
 
 Imported only when a dashboard runs in widget mode. It only holds widgets and
-sets their values; what to show is decided in ``dashboard.py`` and ``render.py``.
+sets their values; what to show is decided in ``ui_widgets.py`` and ``render.py``.
 """
 
 from __future__ import annotations
@@ -48,6 +48,12 @@ class LiveView:
             self.image.value = png
             if self.image.layout.display == "none":
                 self.image.layout.display = None
+
+    @property
+    def png(self) -> bytes | None:
+        """The timeline PNG shown now (None before the first)."""
+        img = self.image
+        return bytes(img.value) if img is not None and img.value else None
 
     def values(self) -> dict:
         """Current HTML values by part name (what the front end shows)."""

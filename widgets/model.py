@@ -2,11 +2,14 @@
 
 Pure and thread-safe: no UI library, no torch_xla. The listener side
 (:meth:`DashboardState.add_step`, :meth:`DashboardState.add_compile`) is O(1): it
-appends and marks the state dirty. Summarizing (medians, the now line, the
-verdict, copies for the plot) happens in :meth:`DashboardState.view` and
-:meth:`DashboardState.timeline`, on the rendering thread.
+appends. Summarizing (medians, the now line, the verdict, copies for the plot)
+happens in :meth:`DashboardState.view` and :meth:`DashboardState.timeline`, on the
+rendering thread, into the frozen records of :mod:`~tpukit.widgets.view`.
 
-Compiles are shown by the alarm contract of ``tpukit.classify``: only a
+Compile events arrive as the reader publishes them: once when a compile starts, once
+finished and classified (``index`` is the identity). "Compiling now" is a started
+event whose finished version has not arrived; nothing here reads the compile trace.
+Compiles are shown by the alarm contract of ``tpukit.compiles.classify``: only a
 *recompilation* is an alert (the red counter, the alert list); *new graphs* and
 *expected* compiles are counted and listed apart. Where the time goes comes from
 the tracked loop itself (``Tracker.verdict()``, ``Tracker.settled_after()``).
@@ -18,117 +21,19 @@ import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
+
+from tpukit.compiles import EXPECTED, KINDS, NEW, RECOMPILATION
+
+from .view import Compile, Timeline, View, now_line
 
 # After the last step record, the loop counts as running for this long (syncs
 # outside track() have no start/end signal of their own).
 BUSY_AFTER_STEP_S = 2.0
-RECOMPILATION, NEW, EXPECTED = "recompilation", "new graph", "expected"
-KINDS = (RECOMPILATION, NEW, EXPECTED)  # a CompileEvent's kind once classified ("compile" before)
 # The live verdict walks the loop's whole history: at most once a second, and never
 # more often than 50 times its own cost (a long history costs the loop under 2%).
 JUDGE_EVERY_S = 1.0
 JUDGE_COST_RATIO = 50.0
-
-
-@dataclass(frozen=True)
-class Compile:
-    """One classified compile, as listed: a recompilation (an alert) or a new graph / expected compile."""
-
-    index: int
-    step: int | None
-    kind: str                   # "recompilation", "new graph", "expected"
-    label: str                  # "recompilation", "new graph", "expected compile"
-    name: str                   # where the graph was cut and its size
-    evidence: tuple[str, ...]
-    hint: str
-    graph_hash: str
-    where: str
-    cause: str
-    duration: float | None
-    time: float
-
-
-Alert = Compile  # a recompilation row (the name the alert list always had)
-
-
-@dataclass(frozen=True)
-class View:
-    """An immutable picture of the dashboard state at one moment (what renderers draw)."""
-
-    time: float
-    elapsed: float
-    steps: int
-    last_step: int | None
-    compiles: int
-    cached_compiles: int | None  # None: not measured (no metrics snapshot)
-    compile_time: float
-    compile_events: int
-    recompilations: int
-    executions: int
-    execute_time: float
-    to_device: int | None
-    to_host: int
-    item_reads: int
-    fallbacks: dict
-    last_step_s: float | None
-    median_step_s: float | None
-    throughput: float | None
-    batch_size: int | None
-    memory: dict | None
-    scalars: dict
-    now: str
-    now_kind: str  # "idle", "executing", "compiling", "stopped"
-    alerts: tuple[Compile, ...]  # recompilations only, latest first
-    alerts_total: int
-    note: str | None = None
-    new_graphs: int = 0
-    expected: int = 0
-    graphs: tuple[Compile, ...] = ()  # new graphs and expected compiles, latest first
-    verdict: Any = None          # tpukit.steps.Verdict of the tracked loop, None before/without one
-    settled_after: int | None = None
-    tracked: bool = False        # a tracked loop fed this dashboard (warm-up and verdict are known)
-    loop_done: bool = False      # ... and it has ended
-    eager_compiles: int = 0      # of ``compiles``: eager mode's per-op compiles (each also an event)
-    eager_places: tuple = ()     # their ops and lines, first seen first: ("linear at train.py:12 in step", ...)
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """Per-step columns for the plot (copies, safe to use outside the lock).
-
-    The bars split each step's wall time: ``compile``, ``input`` (waiting for the
-    next batch), ``tracing`` (host time in the loop body and the sync) and ``device``
-    (host blocked on the device). Steps outside ``track()`` have no input/tracing
-    measurement: their host time goes to ``tracing`` and their execution time to ``device``.
-    """
-
-    steps: list
-    compile: list
-    input: list
-    tracing: list
-    device: list
-    scalars: dict = field(default_factory=dict)  # name -> (steps, values)
-    version: int = 0
-    x_end: float | None = None  # the last step the loop will have (the x axis stops there)
-
-
-def now_line(compiling: Any, now: float, busy_step: int | None) -> tuple[str, str]:
-    """The one-line status: ('compiling step graph at cell [7] line 5 (3 -> 2) for 12 s', 'compiling')."""
-    if compiling is not None:
-        secs = max(0.0, now - compiling.start)
-        name = getattr(compiling, "name", None) or f"graph at {compiling.where}"
-        return f"compiling {name} for {secs:.0f} s", "compiling"
-    if busy_step is not None:
-        return f"executing step {busy_step}", "executing"
-    return "idle", "idle"
-
-
-def _row(ev: Any, step: int | None, now: float) -> Compile:
-    return Compile(ev.index, step, ev.kind, getattr(ev, "label", ev.kind), getattr(ev, "name", ev.where),
-                   tuple(getattr(ev, "evidence", ()) or ()), ev.hint or "", ev.graph_hash, ev.where, ev.cause,
-                   ev.duration, now)
 
 
 class DashboardState:
@@ -163,7 +68,7 @@ class DashboardState:
         self._max_event = -1
         self._n_events = 0
         self._eager_places: dict[str, None] = {}  # "op at line" of eager-mode compiles, in order
-        self._compiling = None
+        self._pending: dict[int, Any] = {}  # index -> a started compile whose finished version has not come
         self._alerts: deque = deque(maxlen=max_alerts)
         self._graphs: deque = deque(maxlen=max_alerts)
         self._kind_of: dict[int, str] = {}  # event index -> kind, once classified
@@ -177,7 +82,6 @@ class DashboardState:
         self._judge_next = 0.0
         self.note: str | None = None
         self._finished: float | None = None
-        self.dirty = True
         self.version = 0  # bumped by every step (the plot re-renders only then)
 
     # ------------------------------------------------------------ listener side (O(1))
@@ -230,15 +134,14 @@ class DashboardState:
             for ev in rec.compile_events:  # usually seen already through on_compile
                 self._add_compile(ev, step=rec.step)
             self.version += 1
-            self.dirty = True
 
     def add_compile(self, event: Any) -> None:
-        """Consume one CompileEvent (new, or an update of one already seen); host 0's only, as add_step."""
+        """Consume one CompileEvent as the reader publishes it (started, then finished and classified;
+        ``index`` is its identity); host 0's only, as add_step."""
         if getattr(event, "host", 0):
             return
         with self._lock:
             self._add_compile(event, step=None)
-            self.dirty = True
 
     def _add_compile(self, ev: Any, step: int | None) -> None:
         if ev.index > self._max_event:
@@ -246,11 +149,11 @@ class DashboardState:
             self._n_events += 1
         if getattr(ev, "eager", False):
             self._eager_places[f"{ev.cause[len('eager op '):]} at {ev.where}"] = None
-        if ev.end is None:
-            if self._compiling is None or ev.index >= self._compiling.index:
-                self._compiling = ev
-        elif self._compiling is not None and self._compiling.index == ev.index:
-            self._compiling = None
+        if ev.end is None and ev.kind not in KINDS:
+            if ev.index not in self._kind_of:  # started, its finished version not here yet: compiling
+                self._pending[ev.index] = ev
+        else:
+            self._pending.pop(ev.index, None)
         if step is not None:
             self._step_of[ev.index] = step
         kind = ev.kind
@@ -262,25 +165,21 @@ class DashboardState:
             self._kind_of[ev.index] = kind
             self._counts[kind] += 1
             guess = known if known is not None else (self._last_step or 0) + 1
-            (self._alerts if kind == RECOMPILATION else self._graphs).appendleft(_row(ev, guess, self._clock()))
+            (self._alerts if kind == RECOMPILATION else self._graphs).appendleft(Compile(ev, guess, self._clock()))
         elif known is not None:  # the record tells the step for sure
             for rows in (self._alerts, self._graphs):
                 for i, a in enumerate(rows):
                     if a.index == ev.index and a.step != known:
-                        rows[i] = _row(ev, known, a.time)
+                        rows[i] = Compile(ev, known, a.time)
 
-    def set_compiling(self, event: Any) -> None:
-        """The compilation running now according to the trace file (None: none)."""
-        with self._lock:
-            if event is not self._compiling:
-                self._compiling = event
-                self.dirty = True
+    def _compiling(self) -> Any:
+        """The latest compile that started and has not finished (None: none); under the lock."""
+        return self._pending[max(self._pending)] if self._pending else None
 
     def set_metrics(self, delta: Any) -> None:
-        """Counters since the dashboard opened (a tpukit ``Delta``), sampled by the polling thread."""
+        """Counters since the dashboard opened (a tpukit ``Delta``), sampled by the dashboard's thread."""
         with self._lock:
             self._delta = delta
-            self.dirty = True
 
     def track_started(self, tracker: Any = None) -> None:
         """A tracked loop begins: its verdict and warm-up are shown, its ``total`` ends the x axis."""
@@ -290,35 +189,28 @@ class DashboardState:
                 self._tracker = tracker
                 total = getattr(tracker, "total", None)
                 self._x_end = self._last_x + total if isinstance(total, int) and total > 0 else None
-            self.dirty = True
 
     def track_ended(self, tracker: Any = None) -> None:
+        """A tracked loop ended (ran out or broke off): idle, the axis ends, the final verdict."""
         with self._lock:
             self._tracking = max(0, self._tracking - 1)
-            self._compiling = None
+            self._pending.clear()
             self._last_end = None  # the loop is over: idle until another step arrives
             self._x_end = self._last_x or None  # a loop ended early: the axis stops at its last step
-            self.dirty = True
         self.judge(force=True)  # the final verdict (with the last wait for the device)
 
     def finish(self) -> None:
         """The dashboard was closed: the now line says what ran, not what runs."""
         with self._lock:
             self._finished = self._clock()
-            self._compiling = None
+            self._pending.clear()
             self._x_end = self._last_x or None
-            self.dirty = True
         self.judge(force=True)
 
-    def take_dirty(self) -> bool:
-        """Return whether anything changed since the last call, and clear the flag."""
-        with self._lock:
-            d, self.dirty = self.dirty, False
-            return d
-
-    # ------------------------------------------------------------ reader side
+    # ------------------------------------------------------------ renderer side
     @property
     def steps(self) -> int:
+        """Step records consumed so far."""
         return self._n_steps
 
     def judge(self, force: bool = False) -> tuple[Any, int | None]:
@@ -339,7 +231,6 @@ class DashboardState:
             cost = time.perf_counter() - t0
             self._judge_next = mono + max(JUDGE_EVERY_S, JUDGE_COST_RATIO * cost)
             self._judged = (key, verdict, settled)
-            self.dirty = True
             return verdict, settled
 
     def view(self, now: float | None = None) -> View:
@@ -355,13 +246,13 @@ class DashboardState:
             busy = None
             if self._tracking or (self._last_end is not None and now - self._last_end < BUSY_AFTER_STEP_S):
                 busy = (self._last_step or 0) + 1
-            text, kind = now_line(self._compiling, now, busy)
+            text, kind = now_line(self._compiling(), now, busy)
             if self._finished is not None:
                 text, kind = f"closed: {self._n_steps} steps in {self._finished - self.opened:.1f} s", "idle"
             alerts, graphs, counts = tuple(self._alerts), tuple(self._graphs), dict(self._counts)
             n_steps, last_step, n_events = self._n_steps, self._last_step, self._n_events
             scalars, note, record_batch = dict(self._last_scalars), self.note, self._record_batch
-            tracker = self._tracker
+            tracker, eager_places = self._tracker, tuple(self._eager_places)
             tracked, loop_done = tracker is not None, getattr(tracker, "finished", None) is not None
         # Step records cover syncs; the metrics delta covers everything since the
         # dashboard opened but is sampled less often. The larger is the fresher.
@@ -387,7 +278,7 @@ class DashboardState:
                     alerts_total=counts[RECOMPILATION], note=note, new_graphs=counts[NEW],
                     expected=counts[EXPECTED], graphs=graphs, verdict=verdict, settled_after=settled,
                     tracked=tracked, loop_done=loop_done, eager_compiles=s["eager_compiles"],
-                    eager_places=tuple(self._eager_places))
+                    eager_places=eager_places)
 
     def timeline(self) -> Timeline:
         """Copies of the per-step columns and scalar curves for the plot."""

@@ -2,7 +2,7 @@
 
 Each step is one stacked bar of where its wall time went: compile, waiting for
 input, host tracing, and waiting for the device (see
-:class:`~tpukit.widgets.model.Timeline`); the logged scalars are drawn below.
+:class:`~tpukit.widgets.view.Timeline`); the logged scalars are drawn below.
 :class:`TimelinePlot` builds its figure once and then only swaps data. Axis
 limits are rounded up to "nice" values, so the frame (axes, ticks, labels: the
 expensive text) changes rarely; it is drawn once, cached as pixels, and each
@@ -20,7 +20,7 @@ import numpy as np
 
 from tpukit._text import plural
 
-from .model import Timeline
+from .view import Timeline
 
 LAYERS = (("compile", "#f97316"), ("input", "#a855f7"), ("tracing", "#9ca3af"), ("device wait", "#2563eb"))
 MAX_BARS = 300
@@ -28,7 +28,6 @@ MAX_CURVES = 6
 CLIP_RATIO = 4.0  # clip the y axis when compile steps are this much taller than steady ones
 TINY = 8
 _NICE = (1.0, 1.2, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0)
-_BAR_CODES = None
 
 
 def nice_ceil(x: float) -> float:

@@ -1,8 +1,10 @@
-"""HTML and text renderers: pure functions of a :class:`~tpukit.widgets.model.View`.
+"""HTML and text renderers: pure functions of a :class:`~tpukit.widgets.view.View`.
 
 The same numbers feed the live widgets, the periodic text summary and the static
 report, so the three never disagree. Only inline styles (they survive in saved
-notebooks and on GitHub, which drop <style> blocks).
+notebooks and on GitHub, which drop <style> blocks). A compile is written from the
+parts of its event (name, evidence, hint, hash: what ``tpukit.compiles.describe``
+writes), never re-derived here.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import Any
 
 from tpukit import cache
 from tpukit._text import plural, seconds, table_html
+from tpukit.compiles import RECOMPILATION
 
-from .model import View
+from .view import Compile, View
 
 WARN = "#b45309"
 BAD = "#b91c1c"
@@ -199,6 +202,19 @@ def graphs_html(v: View) -> str:
             + table_html(graph_rows(v), head=("step", "kind", "graph", "what is new")) + "</div>")
 
 
+def compile_text(c: Compile) -> str:
+    """One listed compile as a line: ``recompilation at step 3: step graph at cell [7] line 5 (3 -> 2):
+    input_ids: (8, 16) -> (8, 24). Bucket or pad ... [graph a1b2c3d4]``: the parts
+    ``tpukit.compiles.describe`` writes, with the step the dashboard knows in place of the duration."""
+    text = f"{c.label} at step {c.step if c.step is not None else '?'}: {c.name}"
+    evidence = "; ".join(c.evidence) or (c.cause if c.kind == RECOMPILATION else "")
+    if evidence:
+        text += f": {evidence}"
+    if c.hint:
+        text += f". {_sentence(c.hint)}"
+    return text + (f" [graph {c.graph_hash[:8]}]" if c.graph_hash else "")  # eager ops have none
+
+
 # ---------------------------------------------------------------- fallbacks
 
 def fallbacks_html(v: View) -> str:
@@ -243,17 +259,10 @@ def text_report(v: View, runtime: Any = None, summary: bool = True) -> str:
     verdict = verdict_text(v)
     if verdict:
         lines.append(f"  where the time goes: {verdict}")
-    for a in v.alerts:
-        text = f"  recompilation at step {a.step if a.step is not None else '?'}: {a.name}"
-        text += f": {'; '.join(a.evidence) or a.cause}"
-        if a.hint:
-            text += f". {_sentence(a.hint)}"
-        lines.append(text + (f" [graph {a.graph_hash[:8]}]" if a.graph_hash else ""))  # eager ops have none
+    lines += [f"  {compile_text(a)}" for a in v.alerts]
     if v.alerts_total > len(v.alerts):
         lines.append(f"  ... {plural(v.alerts_total - len(v.alerts), 'earlier recompilation')} not shown")
-    for g in v.graphs:
-        lines.append(f"  {g.label} at step {g.step if g.step is not None else '?'}: {g.name}"
-                     + (f": {'; '.join(g.evidence)}" if g.evidence else ""))
+    lines += [f"  {compile_text(g)}" for g in v.graphs]
     for op, n in sorted(v.fallbacks.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"  CPU fallback {op} x{n}")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ from tpukit import _ipython
 from tpukit._text import plural
 
 from . import render
-from .model import View
+from .view import View
 
 
 class Report:

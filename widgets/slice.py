@@ -20,9 +20,10 @@ from typing import Any
 
 from tpukit import events
 from tpukit._text import plural, seconds, table_html, table_text
+from tpukit.compiles import RECOMPILATION
 
 from . import frontend
-from .model import RECOMPILATION
+
 
 @dataclass(frozen=True)
 class HostRow:
@@ -168,6 +169,8 @@ class SliceView:
             from IPython.display import HTML, display
 
             self._handle = display(HTML(summary_html(self.summary())), display_id=True)
+        # events, not steps.add_listener: the hosts' records arrive forwarded; arming this process's
+        # sync hook would add its own syncs to host 0's row.
         events.add_listener(self)
 
     def on_step(self, record: Any) -> None:
