@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,10 @@ import torch
 
 from .. import _xla
 from ..errors import CheckpointError, TpukitWarning
+from .checks import check_count, check_device, check_flag, check_optimizer_state, check_step, check_target
+from .chunks import COPY_CHUNK, check_chunk
 from .files import remove_path, remove_stale_temps
+from .lock import DirectoryLock
 from .format import (
     MANIFEST_SUFFIX,
     NAME_PREFIX,
@@ -51,11 +55,27 @@ class CheckpointManager:
     gathered; ``restore`` loads it into whatever mesh the model is sharded over now.
     ``sharded=True``/``False`` forces or forbids that layout. Sharded saves are
     synchronous even with ``async_save`` (shards go from the devices to disk).
+
+    Rules: one manager saves into a directory at a time. The first ``save`` takes
+    the directory's lock (``lock``); another manager, in this process or another
+    one on the machine, is refused with the owner's pid until this one is closed
+    (``close()``), collected or its process ends; a lock left by a process that is
+    gone is taken over. A pending asynchronous save still finishes when the script
+    ends without ``wait()`` (its thread is joined at exit, and a failure is
+    reported then as a TpukitWarning); call ``wait()`` before another process reads
+    the directory, and before ``os._exit``. Rotation (``keep``) never deletes a
+    checkpoint newer than the one just saved. Device tensors come to the host in
+    pieces of at most ``copy_chunk`` bytes (``chunks``).
     """
 
     def __init__(self, directory: str | os.PathLike, keep: int | None = 3, every: int | None = None,
                  weights_format: str = "torch", async_save: bool = False, rng: bool = True,
-                 sharded: bool | None = None):
+                 sharded: bool | None = None, copy_chunk: int = COPY_CHUNK):
+        check_count("keep", keep, "how many checkpoints to keep")
+        check_count("every", every, "save every that many steps")
+        check_flag("async_save", async_save)
+        check_flag("rng", rng)
+        check_flag("sharded", sharded, allow_none=True)
         if keep is not None and keep < 1:
             raise CheckpointError(f"keep={keep} would delete every checkpoint; use keep >= 1, or None to keep all.")
         if every is not None and every < 1:
@@ -63,10 +83,11 @@ class CheckpointManager:
         check_weights_format(weights_format)
         self.directory = Path(directory)
         self.keep, self.every, self.weights_format, self.async_save = keep, every, weights_format, async_save
-        self.rng, self.sharded = rng, sharded
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._pending_step: int | None = None
+        self.rng, self.sharded, self.copy_chunk = rng, sharded, check_chunk(copy_chunk)
+        self._pending = _Pending()
+        self._lock = DirectoryLock(self.directory)
+        # at exit (or when collected): finish a pending write, report its failure, give the lock up
+        self._finalizer = weakref.finalize(self, _finish, self._pending, self._lock, str(self.directory))
         if is_master():
             self.directory.mkdir(parents=True, exist_ok=True)
             remove_stale_temps(self.directory, NAME_PREFIX)
@@ -80,11 +101,12 @@ class CheckpointManager:
     def save(self, step: int, **state: Any) -> bool:
         """Save ``state`` (plus a "step" key) as checkpoint ``step``; returns False when ``every`` skips it.
 
-        Every replica calls it (all sync); only the master writes.
+        ``step`` is a whole number >= 0. Every replica calls it (all sync); only the
+        master writes.
         """
-        step = int(step)
+        step = check_step(step)
         if self.every is not None and step % self.every:
-            if self._thread is not None and not self._thread.is_alive():
+            if self._pending.thread is not None and not self._pending.thread.is_alive():
                 self.wait()
             return False
         if RNG_KEY in state:
@@ -108,47 +130,56 @@ class CheckpointManager:
         self.wait()
         if not master and not collective(fmt):
             return True
-        newest = self.all_steps()
-        if newest and newest[-1] > step:
+        if master:
+            self._lock.acquire()
+        newer = [s for s in self.all_steps() if s > step]
+        if newer:
             warnings.warn(
-                f"Saving step {step} into {self.directory}, which already holds step {newest[-1]}: latest() and "
-                "restore() keep returning the newer one. Use a fresh directory for a new run.",
+                f"Saving step {step} into {self.directory}, which already holds step {newer[-1]} (newer steps: "
+                f"{newer}): latest() and restore() keep returning step {newer[-1]}, and rotation never deletes a "
+                "checkpoint newer than the one saved, so they all stay. Use a fresh directory for a new run (or "
+                "delete the newer checkpoints first to roll back).",
                 TpukitWarning, stacklevel=2,
             )
         if background:
-            self._pending_step = step
-            self._thread = threading.Thread(target=self._background, args=(step, cpu_state, fmt),
-                                            name="tpukit-checkpoint")
-            self._thread.start()
+            self._pending.step = step
+            self._pending.thread = threading.Thread(target=self._background, args=(step, cpu_state, fmt),
+                                                    name="tpukit-checkpoint")
+            self._pending.thread.start()
         else:
             self._write(step, cpu_state, fmt)
         return True
 
     def _write(self, step: int, cpu_state: Any, fmt: str) -> None:
         payload = self.directory / checkpoint_name(step, SUFFIX[fmt])
-        if commit(cpu_state, payload, fmt, step) is not None:  # the process that committed it prunes
+        if commit(cpu_state, payload, fmt, step, self.copy_chunk) is not None:  # the process that committed it prunes
             self._prune(step)
 
     def _background(self, step: int, cpu_state: Any, fmt: str) -> None:
         try:
             self._write(step, cpu_state, fmt)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            self._error = exc
+            self._pending.error = exc
 
     def wait(self) -> None:
         """Block until the pending background write finished; raise its error, if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
+        error = self._pending.join()
         if error is not None:
-            raise CheckpointError(f"Background save of step {self._pending_step} failed: {error}") from error
+            raise CheckpointError(f"Background save of step {self._pending.step} failed: {error}") from error
+
+    def close(self) -> None:
+        """Finish a pending write (raising its error) and give the directory's lock up for another manager."""
+        try:
+            self.wait()
+        finally:
+            self._lock.release()
 
     def _prune(self, saved: int) -> None:
-        """Keep ``saved`` and the newest ``keep - 1`` others; delete the rest, manifest first."""
+        """Keep ``saved``, every newer step and the newest ``keep - 1`` older ones; delete the rest, manifest first."""
         steps = self.all_steps()
-        others = [s for s in steps if s != saved]
-        keep = set(others if self.keep is None else others[max(0, len(others) - self.keep + 1):]) | {saved}
+        older = [s for s in steps if s < saved]
+        kept_older = older if self.keep is None else older[max(0, len(older) - self.keep + 1):]
+        keep = set(kept_older) | {s for s in steps if s >= saved}
         for step in steps:
             if step not in keep:
                 self._delete(step)
@@ -175,6 +206,7 @@ class CheckpointManager:
 
     def latest(self, device: Any = None) -> dict | None:
         """The state of the newest valid checkpoint (damaged ones skipped with a warning), or None."""
+        device = check_device(device)
         self.wait()
         found = newest_valid(self.directory, device)
         return None if found is None else found[1]
@@ -193,6 +225,10 @@ class CheckpointManager:
         after the step's sync (``tpukit.track`` does) and restore right before the
         loop, with no sync in between.
         """
+        for name, target in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
+            check_target(name, target)
+        if step_var is not None and not isinstance(step_var, torch.Tensor):
+            raise TypeError(f"restore(step_var=...) got a {type(step_var).__name__}; pass a tensor (or None).")
         self.wait()
         newest = self.all_steps()
         sharded = self._sharded_payload(newest[-1]) if newest else None
@@ -214,6 +250,7 @@ class CheckpointManager:
             _check_keys(model, state["model"], strict, f"step {step} in {self.directory}")
             model.load_state_dict(state["model"], strict=strict)
         if optimizer is not None:
+            check_optimizer_state(optimizer, state["optimizer"], f"step {step} in {self.directory}")
             try:
                 optimizer.load_state_dict(state["optimizer"])
             except (ValueError, KeyError, RuntimeError) as exc:
@@ -257,6 +294,37 @@ class CheckpointManager:
         if self.rng and RNG_KEY in keys:
             template[RNG_KEY] = rng_state()
         return template
+
+
+class _Pending:
+    """The background write of a manager: its thread, step and error (shared with the exit hook)."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None
+        self.step: int | None = None
+        self.error: BaseException | None = None
+
+    def join(self) -> BaseException | None:
+        """Wait for the write; return (and forget) its error."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        error, self.error = self.error, None
+        return error
+
+
+def _finish(pending: _Pending, lock: DirectoryLock, directory: str) -> None:
+    """A manager's last act (collected, or the process exits): finish its write, warn if it failed, unlock."""
+    try:
+        error = pending.join()
+        if error is not None:
+            warnings.warn(
+                f"The background save of step {pending.step} into {directory} failed and nobody called wait(): "
+                f"{error}. That checkpoint was not written; call manager.wait() after the last save.",
+                TpukitWarning, stacklevel=1,
+            )
+    finally:
+        lock.release()
 
 
 def _check_keys(model: torch.nn.Module, saved: dict, strict: bool, where: str) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from .chunks import COPY_CHUNK
 from .stream import SAFETENSORS_DTYPES, read_torch, write_safetensors, write_torch
 
 _STRUCTURE_KEY = "tpukit.structure"
@@ -99,16 +100,17 @@ def _is_numpy(obj: Any) -> bool:
 
 # --------------------------------------------------------------------------- payload formats
 
-def write_payload(state: Any, tmp: Path, weights_format: str) -> tuple[int, str]:
+def write_payload(state: Any, tmp: Path, weights_format: str, copy_chunk: int = COPY_CHUNK) -> tuple[int, str]:
     """Write ``state`` to the file ``tmp`` in ``weights_format`` ("torch" or "safetensors").
 
-    Tensors may live on XLA devices (already synced): they are copied to the host a
-    group at a time as their turn comes, so the save never holds the whole state.
+    Tensors may live on XLA devices (already synced): they are copied to the host
+    as their turn comes, in pieces of at most ``copy_chunk`` bytes, so the save
+    never holds the whole state, nor the whole of a large tensor.
     Returns the file's byte size and sha256 (hashed as written; the file is fsynced).
     """
     if weights_format == "torch":
-        return write_torch(state, tmp)
-    return write_safetensors(state, tmp, _STRUCTURE_KEY)
+        return write_torch(state, tmp, copy_chunk)
+    return write_safetensors(state, tmp, _STRUCTURE_KEY, copy_chunk)
 
 
 def read_payload(path: Path, weights_format: str) -> Any:

@@ -25,6 +25,8 @@ from .._tree import is_tensor, tree_leaves, tree_map
 from ..errors import CheckpointError, TpukitWarning
 from .._version import __version__
 from ..runtime import rank
+from .checks import MismatchError, check_device, check_step
+from .chunks import COPY_CHUNK, check_chunk
 from .files import atomic_write, hash_file
 from .format import (
     MANIFEST_SUFFIX,
@@ -89,21 +91,49 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**27 else f"{n / 2**20:.1f} MiB"
 
 
-def preflight(state: Any, target: Path) -> None:
-    """Raise CheckpointError, before anything is written, when the disk or host memory is too small.
+def _exact(n: int) -> str:
+    """A byte count to the byte, with a unit that shows the difference between two close sizes."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n:,} bytes = {n / (1 << shift):.3f} {unit}"
+    return f"{n:,} bytes"
 
-    The disk needs the payload's bytes (plus 1% and 64 KiB of archive overhead)
-    free beside ``target``; host memory needs room for the largest tensor (twice
-    it for a device tensor), the most a streamed save holds at once. A sharded
+
+def read_only(directory: Path) -> bool:
+    """True when ``directory`` lies on a file system mounted read-only."""
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):  # no statvfs on this platform
+        return False
+
+
+def preflight(state: Any, target: Path, copy_chunk: int = COPY_CHUNK) -> None:
+    """Raise CheckpointError, before anything is written, when the disk or host memory cannot take the save.
+
+    The directory must be writable; the disk needs the payload's bytes (plus 1%
+    and 64 KiB of archive overhead) free beside ``target``; host memory needs room
+    for what a streamed save holds at once (``stream.payload_bytes``: a few
+    ``copy_chunk`` pieces of device tensors, the largest CPU tensor). A sharded
     save holds one tensor's local shards at a time, so the check is conservative.
     """
-    total, peak = payload_bytes(state)
+    if read_only(target.parent):
+        raise CheckpointError(
+            f"Cannot save {target.name}: {target.parent} is on a read-only file system. Nothing was written; "
+            "save to a writable directory (or remount it read-write)."
+        )
+    if not os.access(target.parent, os.W_OK):
+        raise CheckpointError(
+            f"Cannot save {target.name}: this user may not write in {target.parent}. Nothing was written; "
+            "fix its permissions or save to a directory you own."
+        )
+    total, peak = payload_bytes(state, copy_chunk)
     need = int(total * 1.01) + (64 << 10)
     free = shutil.disk_usage(target.parent).free
     if free < need:
         raise CheckpointError(
             f"Not enough disk space to save {target.name}: it needs about {_gib(need)} in {target.parent}, which "
-            f"has {_gib(free)} free. Nothing was written and the previous checkpoint is untouched; free space "
+            f"has {_gib(free)} free (needs {_exact(need)}, has {_exact(free)}: {_exact(need - free)} short). "
+            "Nothing was written and the previous checkpoint is untouched; free space "
             "(e.g. keep fewer checkpoints) or save to a larger disk."
         )
     available = environment.available_memory()
@@ -120,6 +150,11 @@ def preflight(state: Any, target: Path) -> None:
 def _write_error(target: Path, exc: OSError) -> CheckpointError:
     what = exc.strerror or str(exc)
     code = errno.errorcode.get(exc.errno or 0, "")
+    if exc.errno == errno.EROFS or read_only(target.parent):
+        return CheckpointError(
+            f"Could not write checkpoint {target}: {target.parent} is on a read-only file system ({what}). "
+            "The previous checkpoint is untouched; save to a writable directory."
+        )
     return CheckpointError(
         f"Could not write checkpoint {target}: {what}{f' ({code})' if code else ''}. The previous checkpoint "
         f"is untouched and no temporary file was left; free space or fix permissions in {target.parent}, "
@@ -127,7 +162,8 @@ def _write_error(target: Path, exc: OSError) -> CheckpointError:
     )
 
 
-def commit(state: Any, payload: Path, weights_format: str, step: int | None) -> Manifest | None:
+def commit(state: Any, payload: Path, weights_format: str, step: int | None,
+           copy_chunk: int = COPY_CHUNK) -> Manifest | None:
     """Write payload then manifest, both atomically; the manifest commits the checkpoint.
 
     ``state`` is synced (``sync_state``) or on the CPU; its tensors are copied to
@@ -135,12 +171,12 @@ def commit(state: Any, payload: Path, weights_format: str, step: int | None) -> 
     sharded save with a process group is collective: every process calls it and
     only the committing one gets the manifest (the others None).
     """
-    preflight(state, payload)
+    preflight(state, payload, copy_chunk)
     try:
         if weights_format == SHARDED:
             manifest = write_sharded(state, payload, step)
         else:
-            size, sha = atomic_write(payload, lambda tmp: write_payload(state, tmp, weights_format))
+            size, sha = atomic_write(payload, lambda tmp: write_payload(state, tmp, weights_format, copy_chunk))
             v = environment.versions()
             manifest = Manifest(
                 payload=payload.name, weights_format=weights_format, step=step, time=time.time(), bytes=size,
@@ -163,7 +199,7 @@ def _weights_format(path: Path, weights_format: str | None) -> str:
 
 def save(
     state: Any, path: str | os.PathLike, *, step: int | None = None, weights_format: str | None = None,
-    rng: bool = False,
+    rng: bool = False, copy_chunk: int = COPY_CHUNK,
 ) -> Manifest | None:
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) atomically to ``path``.
 
@@ -175,10 +211,15 @@ def save(
     "dcp" (the default when ``path`` ends in ``.dcp``): a sharded checkpoint
     directory, each SPMD shard written as it is, never gathered (``sharded``).
     ``rng=True`` adds the generator states (``rng_state()``) to a dict ``state``
-    under ``"rng_state"``; ``load(path, rng=True)`` restores them.
-    Returns the manifest, or None on replicas that do not write.
+    under ``"rng_state"``; ``load(path, rng=True)`` restores them. ``copy_chunk``
+    bounds the bytes of one copy from the device (``chunks``): a larger device
+    tensor comes to the host in pieces. Returns the manifest, or None on replicas
+    that do not write.
     """
     path = Path(path)
+    copy_chunk = check_chunk(copy_chunk)
+    if step is not None:
+        step = check_step(step)
     if rng and (not isinstance(state, dict) or RNG_KEY in state):
         raise CheckpointError(
             f"save(rng=True) adds the generator states to a dict state under {RNG_KEY!r}; pass a dict "
@@ -202,7 +243,7 @@ def save(
     sync_state(state)
     if rng:  # read after the sync, which advances the XLA seed
         state = {**state, RNG_KEY: rng_state()}
-    return commit(state, path, fmt, step) if master or collective(fmt) else None
+    return commit(state, path, fmt, step, copy_chunk) if master or collective(fmt) else None
 
 
 def collective(weights_format: str) -> bool:
@@ -220,9 +261,26 @@ def _manifest_owner(path: Path) -> str | None:
 
 # --------------------------------------------------------------------------- reading
 
-def verify(path: str | os.PathLike) -> Manifest:
-    """Check a checkpoint against its manifest (presence, size, sha256); returns the manifest or raises."""
+def payload_of(path: str | os.PathLike) -> Path:
+    """``path``, or the payload a manifest names when ``path`` is a checkpoint's ``.json`` manifest."""
     path = Path(path)
+    if path.suffix != MANIFEST_SUFFIX or not path.is_file():
+        return path
+    payload = path.parent / Manifest.read(path).payload
+    if manifest_path(payload) != path:
+        raise CheckpointError(
+            f"{path} is a manifest naming {payload.name}, whose own manifest would be {manifest_path(payload).name}: "
+            "it was renamed. Pass the checkpoint file itself, not its manifest."
+        )
+    return payload
+
+
+def verify(path: str | os.PathLike) -> Manifest:
+    """Check a checkpoint against its manifest (presence, size, sha256); returns the manifest or raises.
+
+    ``path`` is the payload, or its ``.json`` manifest (the checkpoint it names is checked).
+    """
+    path = payload_of(path)
     if not path.exists():
         raise CheckpointError(f"No checkpoint at {path}: the file does not exist. Check the path.")
     manifest = Manifest.read(manifest_path(path))
@@ -249,6 +307,8 @@ def _read(path: Path, manifest: Manifest, device: Any, into: dict | None = None)
         if manifest.weights_format == SHARDED:
             return read_sharded(path, into) if into is not None else _place(read_sharded(path), device)
         state = read_payload(path, manifest.weights_format)
+    except MismatchError:
+        raise
     except Exception as exc:  # noqa: BLE001 - hash matched, so the payload itself is bad
         raise CheckpointError(f"Checkpoint {path} passed its hash check but could not be read: {exc}") from exc
     return _place(state, device)
@@ -280,6 +340,8 @@ def newest_valid(directory: Path, device: Any = None, read: bool = True,
             payload = directory / Manifest.read(directory / checkpoint_name(step, MANIFEST_SUFFIX)).payload
             manifest = verify(payload)
             return step, (_read(payload, manifest, device, into) if read else None)
+        except MismatchError:
+            raise  # the checkpoint is sound; what it is loaded into differs
         except (CheckpointError, OSError) as exc:
             # stacklevel 3: the caller of the public function (load, latest, latest_step)
             warnings.warn(f"Skipping checkpoint step {step} in {directory}: {exc}", TpukitWarning, stacklevel=3)
@@ -289,15 +351,18 @@ def newest_valid(directory: Path, device: Any = None, read: bool = True,
 def load(path: str | os.PathLike, device: Any = None, rng: bool = False, into: dict | None = None) -> Any:
     """Load a verified checkpoint: CPU tensors, or tensors placed on ``device``.
 
-    ``path`` is a payload written by ``save`` or a ``CheckpointManager`` directory
-    (its newest valid checkpoint). ``rng=True`` also restores the generator states
+    ``path`` is a payload written by ``save`` (or its ``.json`` manifest: the
+    checkpoint it names is loaded) or a ``CheckpointManager`` directory (its newest
+    valid checkpoint). ``device`` is None (CPU tensors), 'cpu', 'xla' or another
+    device torch can place tensors on here. ``rng=True`` also restores the generator states
     the checkpoint holds (``save(rng=True)``, or any manager checkpoint). A sharded
     checkpoint loads whole onto the CPU (consolidated, no torch_xla needed), or
     with ``into`` (a dict like the saved state whose tensors are sharded over the
     current mesh, any mesh shape) in place, each device reading only its slices
     (``into`` is ignored for single-file checkpoints, which load whole). Raises CheckpointError for anything missing, truncated or altered.
     """
-    state = _load(Path(path), device, into)
+    device = check_device(device)
+    state = _load(payload_of(path), device, into)
     if rng:
         if not isinstance(state, dict) or RNG_KEY not in state:
             raise CheckpointError(

@@ -30,6 +30,7 @@ from .. import _xla, environment
 from .._tree import is_tensor, tree_leaves
 from .._version import __version__
 from ..errors import CheckpointError
+from .checks import MismatchError
 from .files import atomic_write, fsync_dir, hash_file, temp_path
 from .format import SHARDED_FORMAT_VERSION, Manifest, manifest_path
 
@@ -156,9 +157,59 @@ def read_sharded(path: Path, into: dict | None = None) -> Any:
             from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
             return _int_state_keys(_load_state_dict_from_keys(checkpoint_id=str(path)))  # DCP's full load
+        _check_shapes(reader.read_metadata(), into, path)
         _, load_planner = _xla.spmd_checkpoint_planners()
-        dcp.load(into, storage_reader=reader, planner=load_planner, no_dist=process_group() is None)
+        try:
+            dcp.load(into, storage_reader=reader, planner=load_planner, no_dist=process_group() is None)
+        except Exception:
+            raise
+        except BaseException as exc:  # torch's CheckpointException is a BaseException: ``except Exception`` misses it
+            if type(exc).__name__ != "CheckpointException":
+                raise
+            raise MismatchError(
+                f"Sharded checkpoint {path} could not be loaded into the given state: {_first_cause(exc)}. "
+                "Build the model (and optimizer) with the configuration it was saved from."
+            ) from exc
     return into
+
+
+def _dotted(tree: Any, prefix: str = "") -> Any:
+    """``(dotted key, tensor)`` of every tensor in ``tree``, keyed the way DCP names them (``model.0.weight``)."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _dotted(v, f"{prefix}.{k}" if prefix else str(k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _dotted(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def _check_shapes(metadata: Any, into: dict, path: Path) -> None:
+    """Raise CheckpointError naming each key whose saved shape differs from the tensor it would load into."""
+    saved = metadata.state_dict_metadata
+    wrong = [
+        f"{key} saved {tuple(saved[key].size)} vs {tuple(t.shape)} here"
+        for key, t in _dotted(into) if key in saved and hasattr(saved[key], "size")
+        and tuple(saved[key].size) != tuple(t.shape)
+    ]
+    if wrong:
+        more = f" ... and {len(wrong) - 10} more" if len(wrong) > 10 else ""
+        raise MismatchError(
+            f"Sharded checkpoint {path} does not fit the state it is loaded into: shape mismatch ({len(wrong)}): "
+            f"{', '.join(wrong[:10])}{more}. Build the model (and optimizer) with the configuration it was saved from."
+        )
+
+
+def _first_cause(exc: BaseException) -> str:
+    """The first underlying error a CheckpointException carries (one per failing rank), else its text."""
+    for failure in (getattr(exc, "failures", None) or {}).values():  # rank -> (exception, traceback)
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        text = str(cause).strip()
+        return f"{type(cause).__name__}: {text.splitlines()[-1]}" if text else type(cause).__name__
+    return type(exc).__name__
 
 
 def _int_state_keys(tree: Any) -> Any:

@@ -17,10 +17,10 @@ Both formats are laid out first and filled in after:
 The sha256 of the file is computed as it is written (the small gaps between
 tensors read back, the tensors hashed from memory), so the 1 GB state is not read
 back to be hashed. Tensors that are one object, one XLA tensor or one CPU view are
-written once, so tied weights stay tied. The next tensor is copied from the device
-while one is written, and an XLA copy to the host briefly takes twice its size
-(torch_xla converts through a second buffer), so the extra host memory of a save
-peaks near three times its largest tensor. Write errors are the real ``OSError``.
+written once, so tied weights stay tied. Each tensor comes to the host in pieces
+of at most ``copy_chunk`` bytes (``chunks``); the next piece is copied from the
+device while one is written, so the extra host memory of a save stays near four
+chunks, not a multiple of its largest tensor. Write errors are the real ``OSError``.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import struct
 import zipfile
 import zlib
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ import torch
 from .. import _xla
 from .._tree import is_tensor, tree_leaves, tree_map
 from ..errors import CheckpointError
+from .chunks import COPY_CHUNK, ahead, peak_host_bytes, pieces
 from .files import Sink
 
 _CHUNK = 64 << 20  # bytes per pwrite call
@@ -93,23 +93,16 @@ def skeleton(state: Any) -> tuple[Any, list[Entry]]:
     return tree_map(replace, state, is_tensor), list(entries.values())
 
 
-def payload_bytes(state: Any) -> tuple[int, int]:
+def payload_bytes(state: Any, copy_chunk: int = COPY_CHUNK) -> tuple[int, int]:
     """(data bytes of the distinct tensors, peak extra host bytes while they are written) of ``state``.
 
-    A streamed save holds the tensor it writes while the next one is copied from
-    the device, and torch_xla's copy to the host passes through a second buffer:
-    about three times the largest device tensor (once the largest CPU tensor).
+    The peak is ``chunks.peak_host_bytes``: a few ``copy_chunk`` pieces for device
+    tensors, once the largest CPU tensor.
     """
     seen: dict[Any, tuple[int, bool]] = {}
     for _, t in tree_leaves(state, is_tensor):
         seen.setdefault(tensor_key(t), (t.numel() * t.element_size(), _xla.is_xla_tensor(t)))
-    largest = max((size for size, _ in seen.values()), default=0)
-    return sum(size for size, _ in seen.values()), largest * (3 if any(x for _, x in seen.values()) else 1)
-
-
-def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor with ``t``'s data (an XLA tensor copied without a sync: the caller synced)."""
-    return (_xla.to_cpu([t], sync=False)[0] if _xla.is_xla_tensor(t) else t.detach()).contiguous()
+    return sum(size for size, _ in seen.values()), peak_host_bytes(list(seen.values()), copy_chunk)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -127,32 +120,37 @@ def _hash_range(fd: int, digest: Any, start: int, end: int) -> None:
         start += len(chunk)
 
 
-def _fill(tmp: Path, entries: list[Entry], crc_at: dict[int, list[int]] | None = None) -> tuple[int, str]:
-    """Copy each entry to the host and write it at its offset, in file order, one at a time.
+def _fill(tmp: Path, entries: list[Entry], crc_at: dict[int, list[int]] | None = None,
+          copy_chunk: int = COPY_CHUNK) -> tuple[int, str]:
+    """Copy each entry to the host, a piece of at most ``copy_chunk`` bytes at a time, and write it at its offset.
 
-    The next tensor's copy from the device runs in a helper thread while this one
-    is checksummed and written (both release the GIL), so the copy costs little
-    time and the save holds two tensors at most. ``crc_at`` maps an entry's offset
-    to the positions of its CRC-32 fields (zip archives). Returns the file's byte
-    size and sha256, hashed as it is written, after an fsync.
+    Pieces go in file order. The next piece's copy from the device runs in a
+    helper thread (``chunks.ahead``) while this one is checksummed and written
+    (both release the GIL), so the copy costs little time and the save holds two
+    pieces at most.
+    ``crc_at`` maps an entry's offset to the positions of its CRC-32 fields (zip
+    archives), written once its last piece is. Returns the file's byte size and
+    sha256, hashed as it is written, after an fsync.
     """
-    digest, position = hashlib.sha256(), 0
+    digest, position, crc = hashlib.sha256(), 0, 0
     order = sorted(entries, key=lambda e: e.offset)
+    plan = ((entry, piece) for entry in order if _check_source(entry) for piece in pieces(entry.source, copy_chunk))
     fd = os.open(tmp, os.O_RDWR)
     try:
-        with ThreadPoolExecutor(1, thread_name_prefix="tpukit-checkpoint-copy") as copier:
-            upcoming = copier.submit(host_copy, order[0].source) if order else None
-            for i, entry in enumerate(order):
-                cpu = upcoming.result()
-                upcoming = copier.submit(host_copy, order[i + 1].source) if i + 1 < len(order) else None
-                _check_unchanged(entry, cpu)
+        with contextlib.closing(ahead(plan, lambda item: item[1].copy())) as copies:
+            for (entry, piece), cpu in copies:
+                _check_piece(entry, piece.nbytes, cpu)
                 data = memoryview(cpu.reshape(-1).view(torch.uint8).numpy()) if cpu.numel() else memoryview(b"")
-                for field in (crc_at or {}).get(entry.offset, ()):
-                    os.pwrite(fd, zlib.crc32(data).to_bytes(4, "little"), field)
-                _hash_range(fd, digest, position, entry.offset)  # headers before it (its CRC fields come after)
-                _pwrite_all(fd, data, entry.offset)
+                if piece.start == 0:
+                    _hash_range(fd, digest, position, entry.offset)  # headers before it (its CRC fields come after)
+                    crc = 0
+                crc = zlib.crc32(data, crc)
+                _pwrite_all(fd, data, entry.offset + piece.start)
                 digest.update(data)
-                position = entry.offset + len(data)
+                position = entry.offset + piece.start + len(data)
+                if piece.last:
+                    for field in (crc_at or {}).get(entry.offset, ()):
+                        os.pwrite(fd, crc.to_bytes(4, "little"), field)
                 del data, cpu
         size = os.fstat(fd).st_size
         _hash_range(fd, digest, position, size)
@@ -162,11 +160,22 @@ def _fill(tmp: Path, entries: list[Entry], crc_at: dict[int, list[int]] | None =
     return size, digest.hexdigest()
 
 
-def _check_unchanged(entry: Entry, cpu: torch.Tensor) -> None:
-    if tuple(cpu.shape) != tuple(entry.stand_in.shape) or cpu.dtype != entry.stand_in.dtype:
+def _check_source(entry: Entry) -> bool:
+    """True, or CheckpointError when the tensor no longer has the shape and dtype it was laid out with."""
+    src, stand_in = entry.source, entry.stand_in
+    if tuple(src.shape) != tuple(stand_in.shape) or src.dtype != stand_in.dtype:
         raise CheckpointError(
-            f"A tensor changed from {tuple(entry.stand_in.shape)} {entry.stand_in.dtype} to {tuple(cpu.shape)} "
-            f"{cpu.dtype} while it was being saved. Save when no other thread modifies the state."
+            f"A tensor changed from {tuple(stand_in.shape)} {stand_in.dtype} to {tuple(src.shape)} "
+            f"{src.dtype} while it was being saved. Save when no other thread modifies the state."
+        )
+    return True
+
+
+def _check_piece(entry: Entry, nbytes: int, cpu: torch.Tensor) -> None:
+    if cpu.dtype != entry.stand_in.dtype or cpu.numel() * cpu.element_size() != nbytes:
+        raise CheckpointError(
+            f"A tensor of shape {tuple(entry.stand_in.shape)} {entry.stand_in.dtype} came back from the device as "
+            f"{tuple(cpu.shape)} {cpu.dtype} while it was being saved. Save when no other thread modifies the state."
         )
 
 
@@ -202,7 +211,7 @@ def read_torch(path: Path, mmap: bool = False) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 
 
-def write_torch(state: Any, tmp: Path) -> tuple[int, str]:
+def write_torch(state: Any, tmp: Path, copy_chunk: int = COPY_CHUNK) -> tuple[int, str]:
     """Write ``state`` to ``tmp`` as a ``torch.save`` archive, tensor data streamed in afterwards.
 
     Returns the file's byte size and sha256.
@@ -211,7 +220,7 @@ def write_torch(state: Any, tmp: Path) -> tuple[int, str]:
     with torch.serialization.skip_data():
         _save_torch(frame, tmp)
     _locate(tmp, frame, entries)
-    return _fill(tmp, entries, _crc_fields(tmp))
+    return _fill(tmp, entries, _crc_fields(tmp), copy_chunk)
 
 
 def _crc_fields(tmp: Path) -> dict[int, list[int]]:
@@ -266,7 +275,8 @@ def _locate(tmp: Path, frame: Any, entries: list[Entry]) -> None:
 
 # --------------------------------------------------------------------------- safetensors
 
-def write_safetensors(state: Any, tmp: Path, structure_key: str) -> tuple[int, str]:
+def write_safetensors(state: Any, tmp: Path, structure_key: str,
+                      copy_chunk: int = COPY_CHUNK) -> tuple[int, str]:
     """Write ``state`` to ``tmp`` as a safetensors file whose metadata holds the tree's structure.
 
     Returns the file's byte size and sha256.
@@ -314,4 +324,4 @@ def write_safetensors(state: Any, tmp: Path, structure_key: str) -> tuple[int, s
         f.truncate(start + position)
     for entry in entries:
         entry.offset += start
-    return _fill(tmp, entries)
+    return _fill(tmp, entries, copy_chunk=copy_chunk)

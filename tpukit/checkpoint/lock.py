@@ -1,0 +1,117 @@
+"""One writing ``CheckpointManager`` per directory: a lock file naming the process that owns it.
+
+Two managers saving into one directory would overwrite each other's
+same-numbered checkpoints and prune each other's files. So a manager takes the
+directory's lock before its first save and holds it until it is closed, garbage
+collected or its process exits. The lock is a small file (``host pid token``)
+under the temporary directory (``<tmp>/tpukit-<uid>/checkpoint-locks/``), named
+by a hash of the directory's real path, so the checkpoint directory holds only
+checkpoints. It guards the processes of one machine, which is where a second
+notebook or a forgotten script runs; a lock whose process is gone is taken over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import socket
+import tempfile
+from pathlib import Path
+
+from .. import environment
+from ..errors import CheckpointError
+
+log = logging.getLogger("tpukit")
+
+
+def lock_path(directory: str | os.PathLike) -> Path:
+    """Where the lock of checkpoint ``directory`` lives (the same file for every spelling of its path)."""
+    real = os.path.realpath(directory)
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    name = hashlib.sha256(real.encode()).hexdigest()[:24] + ".lock"
+    return Path(tempfile.gettempdir()) / f"tpukit-{uid}" / "checkpoint-locks" / name
+
+
+class DirectoryLock:
+    """The lock of one checkpoint directory, held by one manager object of one process."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = os.path.realpath(directory)
+        self.path = lock_path(directory)
+        self.owner = f"{socket.gethostname()} {os.getpid()} {secrets.token_hex(8)}"
+        self.held = False
+
+    def acquire(self) -> None:
+        """Take the lock (or keep it); raise CheckpointError naming the owner when another manager holds it."""
+        if self.held:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):  # a lost race with another taker: look again
+            if self._create():
+                self.held = True
+                return
+            holder = self._holder()
+            if holder is None:
+                continue  # released meanwhile
+            host, pid = holder
+            if host == socket.gethostname() and pid != os.getpid() and not environment.pid_alive(pid):
+                self._take_over_stale(pid)
+                continue
+            raise CheckpointError(self._refusal(host, pid))
+        raise CheckpointError(f"Could not take the lock {self.path} of {self.directory}; save again.")
+
+    def release(self) -> None:
+        """Give the lock up, if this manager holds it (the file is removed only while it is still ours)."""
+        if self.held:
+            self.held = False
+            with contextlib.suppress(OSError):
+                if self.path.read_text() == self.owner:
+                    os.unlink(self.path)
+
+    def _create(self) -> bool:
+        """Create the lock file with our owner line atomically (written whole, then linked); False if it exists."""
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        tmp.write_text(self.owner)
+        try:
+            os.link(tmp, self.path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    def _holder(self) -> tuple[str, int] | None:
+        """``(host, pid)`` written in the lock file, or None when it is gone."""
+        try:
+            host, pid, _token = self.path.read_text().split()
+            return host, int(pid)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return "?", -1  # unreadable: treated as held by an unknown owner
+
+    def _take_over_stale(self, pid: int) -> None:
+        stale = self.path.with_name(f".{self.path.name}.stale.{secrets.token_hex(4)}")
+        with contextlib.suppress(FileNotFoundError):  # another taker may have moved it first
+            os.rename(self.path, stale)
+            os.unlink(stale)
+            log.info("took over the checkpoint lock of %s from process %d, which is gone", self.directory, pid)
+
+    def _refusal(self, host: str, pid: int) -> str:
+        if host == socket.gethostname() and pid == os.getpid():
+            return (
+                f"Another CheckpointManager of this process already saves into {self.directory}. Two managers on "
+                "one directory overwrite and prune each other's checkpoints: keep using that one, or call its "
+                "close() (or delete it) before saving with a new one."
+            )
+        where = "this machine" if host == socket.gethostname() else f"host {host}"
+        return (
+            f"{self.directory} is in use: process {pid} on {where} has a CheckpointManager saving into it "
+            f"(lock file {self.path}). Two managers on one directory overwrite and prune each other's "
+            "checkpoints: save into another directory, or end that process (a lock whose process is gone is "
+            "taken over)."
+        )
