@@ -33,16 +33,16 @@ MAX_LINES = 400
 LAYERS = {
     "errors": 0, "_version": 0, "cache": 0, "_xla": 0, "_tree": 0, "_text": 0, "_ipython": 0, "environment": 0,
     "metrics": 1, "events": 1, "advisor": 1, "verdict": 1,
-    "compiles": 2,
+    "compiles": 2, "tpu": 2,
     "runtime": 3, "steps": 3, "eager": 3,
-    "spmd": 4, "data": 4, "guards": 4, "hosts": 4, "tpu": 4,
+    "spmd": 4, "data": 4, "guards": 4, "hosts": 4,
     "track": 5, "launch": 5, "checkpoint": 5, "profile": 5, "pod": 5, "localslice": 5,  # profile may not exist yet
     "remote": 3, "raycluster": 3, "_replica": 4,  # launch's and the slice runner's shared side; Ray; launch's child
-    "magics": 6, "__main__": 6,  # and tpukit.widgets.*, tpukit.magics_*, tpukit._magic*
+    "magics": 6, "__main__": 6, "hf": 6,  # and tpukit.widgets.*, tpukit.magics_*, tpukit._magic*
 }
 TOP = 7  # tpukit/__init__.py: the public API, imports everything
-PACKAGES = {"checkpoint", "compiles", "_xla", "profile", "tpu"}  # sub-packages of tpukit (present or to come)
-GROUPS = {"base", "checkpoint", "compiles", "profile", "tpu", "magics", "widgets"}  # same-layer imports allowed inside these (acyclic)
+PACKAGES = {"checkpoint", "compiles", "_xla", "profile", "tpu", "hf"}  # sub-packages of tpukit (present or to come)
+GROUPS = {"base", "checkpoint", "compiles", "profile", "tpu", "magics", "widgets", "hf"}  # same-layer imports allowed inside these (acyclic)
 
 # tpukit.__all__ at the commit before the restructuring (git show HEAD:tpukit/__init__.py);
 # a name may be added, none may go.

@@ -234,3 +234,64 @@ def test_two_tracked_loops_in_two_threads_each_name_only_their_own_inputs():
         assert not any(other in text for text, _ in alarms), alarms
     left = [ev for _, evidence, alarm in out["left"] if alarm for ev in evidence]
     assert "left: (3, 8, 4) -> (3, 12, 4)" in left, left
+
+
+TARGET_RUN = """
+import json, time, tpukit
+rt = tpukit.setup(device="cpu", target="v5e-1")
+import torch
+from tpukit import events
+got = []
+
+class Estimates:
+    def on_tpu_estimate(self, ev, est):
+        got.append([ev.index, ev.kind, est.target, est.fits, est.hbm_bytes, est.compile_s, est.flops])
+
+events.add_listener(Estimates())
+model = torch.nn.Linear(64, 32).to(rt.device)
+opt = torch.optim.AdamW(model.parameters())
+tracker = tpukit.track([torch.randn(8, 64) for _ in range(3)], progress=False)
+for x in tracker:
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+deadline = time.time() + 180
+while tpukit.tpu.follower().pending() and time.time() < deadline:
+    time.sleep(0.2)
+events_ = [e.index for r in tracker.history for e in r.compile_events]
+
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell("%load_ext tpukit")
+import contextlib, io
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    shell.run_cell("%%xla --target v5e-8\\nimport torch\\ny = (torch.ones(16, 16, device='xla') @ torch.ones(16, 16, device='xla')).sum()\\n")
+print("RESULT " + json.dumps({"target": rt.target, "got": got, "events": events_, "cell": out.getvalue(),
+                              "report": rt.report()}))
+"""
+
+
+def test_with_a_target_every_graph_is_compiled_for_it_in_the_background():
+    """``setup(target="v5e-1")``: each graph the reader publishes reaches the real TPU compiler (in its
+    worker process) and its answer reaches listeners once per compile; ``%%xla --target`` does it for
+    one cell, for another target."""
+    import json
+
+    from conftest import run_python
+
+    done = run_python(TARGET_RUN, env={"PJRT_DEVICE": "CPU"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert out["target"] == "v5e-1" and "target TPU" in out["report"]
+    got = out["got"]
+    assert sorted(g[0] for g in got) == sorted(out["events"]) and len(got) >= 2, out
+    parameters = (64 * 32 + 32) * 4
+    for index, kind, target, fits, hbm, compile_s, flops in got:
+        assert target == "v5e-1" and fits and compile_s > 0
+        assert hbm >= parameters  # the step's graph holds at least the parameters on the chip
+    assert max(g[6] for g in got) >= 2 * 8 * 64 * 32  # the forward matmul's FLOPs at least
+    cell = out["cell"]
+    assert "%%xla --target v5e-8: each graph compiled by the TPU compiler" in cell, cell
+    assert "v5e-8: fits" in cell and "HBM per chip" in cell, cell

@@ -13,7 +13,7 @@ import ast
 import sys
 from typing import Any, Callable
 
-from . import _ipython, _xla, compiles, metrics
+from . import _ipython, _xla, compiles, metrics, runtime, tpu
 from ._magic_reports import new_profile, show_profile, snapshot_now, usage
 from ._text import plural
 from .errors import RecompilationError
@@ -172,6 +172,7 @@ def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
         raise usage(f"%%xla --max-compiles needs N >= 0 (0 asserts that the cell compiles nothing), not {args.max_compiles}.")
     number = _cell_number(shell)
     code, last, _name = _compile_cell(shell, line, cell, number)
+    target = _target(args.target)
 
     before = _synced_snapshot()  # earlier cells' pending work is theirs, not this cell's
     first_event = compiles.mark()
@@ -200,8 +201,37 @@ def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
                    f"allowed by %%xla --max-compiles {args.max_compiles}:\n" + "\n".join(lines or [f"  {delta}"]))
         raise RecompilationError(message)
     if not args.quiet:
-        print("\n".join([f"%%xla: {delta}"] + lines + ([explain] if explain else [])))
+        print("\n".join([f"%%xla: {delta}"] + lines + ([explain] if explain else [])
+                        + (_estimates(found, target) if target else [])))
     return value
+
+
+def _target(name: str | None) -> Any:
+    """The TPU target of ``%%xla --target`` (else setup()'s), checked before the cell runs; its graphs
+    keep their protos so the TPU compiler can compile them."""
+    rt = runtime.current()
+    name = name or (rt.target if rt is not None else None)
+    if name is None:
+        return None
+    found = tpu.target(name)  # an unknown name raises, listing the known targets
+    tpu.require()
+    if compiles.tracing_enabled():
+        compiles.reader().keep_protos()
+    return found
+
+
+def _estimates(found: list, target: Any) -> list[str]:
+    """``%%xla --target``: each graph of the cell compiled for the target, one line each."""
+    graphs = [e for e in found if e.graph is not None and e.graph.proto is not None]
+    if not graphs:
+        why = ("nothing compiled in this cell" if not found else
+               "no graph of this cell was kept for the TPU compiler (compile tracing or the HLO dump is off)")
+        return [f"%%xla --target {target.name}: {why}."]
+    out = [f"%%xla --target {target.name}: each graph compiled by the TPU compiler, ahead of time:"]
+    for ev in graphs:
+        est = tpu.compile_graph(ev.graph.proto, target, ev.graph.partitions, name=ev.name)
+        out.append(f"  {ev.name}: {tpu.line(est)}")
+    return out
 
 
 # ----------------------------------------------------------------- %%xla_profile

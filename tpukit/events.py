@@ -7,7 +7,9 @@ thing happens:
 - ``on_step(record)``: a :class:`~tpukit.steps.StepRecord` after each step;
 - ``on_compile(event)``: a :class:`~tpukit.compiles.CompileEvent` when a
   compilation starts and again when it ends;
-- ``on_track_start(tracker)`` / ``on_track_end(tracker)``: a tracked loop.
+- ``on_track_start(tracker)`` / ``on_track_end(tracker)``: a tracked loop;
+- ``on_tpu_estimate(event, estimate)``: what the TPU compiler says about a compile
+  event's graph on the target TPU (``tpukit.setup(target=...)``), once per event.
 
 :func:`call` dispatches one hook to every listener that has it, the way
 Lightning's ``Fabric.call`` does. A listener that raises is removed and reported
@@ -24,7 +26,7 @@ from typing import Any, Callable
 
 from .errors import TpukitError, TpukitWarning
 
-HOOKS = ("on_step", "on_compile", "on_track_start", "on_track_end")
+HOOKS = ("on_step", "on_compile", "on_track_start", "on_track_end", "on_tpu_estimate")
 
 _LOCK = threading.RLock()
 _LISTENERS: list[Any] = []

@@ -2,7 +2,7 @@
 
 - ``%tpu`` (alias ``%tpu_info``) ``[--device auto|tpu|cpu] [--cpu-devices N] [--spmd]
   [--no-trace] [--compile-cache DIR]``: set the runtime up if needed and show its report.
-- ``%%xla [--max-compiles N] [--quiet] [--hlo] [--explain]``: run the cell, sync, and print
+- ``%%xla [--max-compiles N] [--quiet] [--hlo] [--explain] [--target TPU]``: run the cell, sync, and print
   what it cost (executions, transfers, CPU fallbacks, and each compile: new graph, expected
   compile or recompilation, where, the evidence and a hint); ``--max-compiles N`` raises
   ``RecompilationError`` beyond N compiles; ``--explain`` adds torch_xla's own
@@ -197,6 +197,10 @@ def _magics_class() -> type:
         @argument("--explain", action="store_true",
                   help="Also print torch_xla's own \"Compilation Analysis\" of each compile of the cell "
                        "(its cause, graph hash, input/output counts and the Python frames that triggered it).")
+        @argument("--target", metavar="TPU", default=None,
+                  help="Also compile each graph of the cell for this TPU (e.g. v5e-1, v5e-8) with the real TPU "
+                       "compiler, ahead of time, and print whether it fits in HBM, its TPU compile time and the "
+                       "step's roofline floor (default: the target of tpukit.setup(target=...), if any).")
         @cell_magic
         def xla(self, line: str, cell: str) -> Any:
             """Run the cell, sync, and print what it cost.
@@ -208,7 +212,8 @@ def _magics_class() -> type:
             graph's name (what cut it, the cell line, "the end of cell [N]" for the sync
             %%xla adds, and its size), the evidence, a hint, and the graph hash last.
             --max-compiles counts every compile, whatever its kind. --explain adds
-            torch_xla's own "Compilation Analysis" text of each compile. Work pending
+            torch_xla's own "Compilation Analysis" text of each compile. --target TPU
+            compiles each graph for that TPU and prints what the TPU compiler says. Work pending
             from earlier cells is synced first so it is not counted here. The value of
             a last expression is returned (shown as Out).
             """

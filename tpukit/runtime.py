@@ -18,12 +18,13 @@ import threading
 from dataclasses import dataclass
 
 from ._version import __version__
-from . import _ipython, _xla, cache, compiles, environment
+from . import _ipython, _xla, cache, compiles, environment, tpu
 from ._text import table_html, table_text
 from .errors import DeviceNotFoundError, TorchXlaMissingError, VersionMismatchError
 
 DEVICE_CHOICES = ("auto", "tpu", "cpu")
 METRIC_SAMPLES_ENV, METRIC_SAMPLES = "XLA_METRICS_SAMPLES", "64"  # set it yourself to keep more
+TARGET_ENV = "TPUKIT_TARGET"  # the TPU the user means to run on, e.g. "v5e-8" (see tpukit.tpu.TARGETS)
 RANK_ENV = "TPUKIT_REPLICA_RANK"  # set by tpukit.launch in independent replicas, by run_on_slice on each host
 
 
@@ -57,6 +58,7 @@ class Runtime:
     tpu_signals: tuple[str, ...] = ()
     bf16: bool = False
     cache_note: str = ""
+    target: str | None = None  # the TPU each graph is also compiled for (setup(target=...))
 
     def rows(self) -> list[tuple[str, str]]:
         """The report as (label, value) rows, shared by the text and HTML renderings."""
@@ -73,7 +75,8 @@ class Runtime:
             ("compile cache", (self.cache_note or self.compile_cache or "off")
              + (f" ({cache.stats()} so far)" if self.compile_cache else "")),
             ("compile tracing", self.trace_file or "off (counts only, no causes)"),
-        ]
+        ] + ([("target TPU", f"{self.target}: each graph is also compiled for it by the TPU compiler, "
+                             "ahead of time, off the training thread")] if self.target else [])
 
     def scale_note(self) -> str:
         """What this many devices can and cannot do (a single chip, e.g. Colab's v5e-1, or several)."""
@@ -223,8 +226,20 @@ def _unapplied(req: Request, rt: Runtime, only: tuple[str, ...] = ("device", "cp
     return out
 
 
+def _follow_target(target: str | None) -> str | None:
+    """Compile every graph recorded from now on for ``target`` as well (None: ``$TPUKIT_TARGET``, if set)."""
+    name = target or os.environ.get(TARGET_ENV) or None
+    if name is None:
+        return None
+    found = tpu.target(name)  # an unknown name raises, listing the known targets
+    if compiles.tracing_enabled():
+        compiles.reader().keep_protos()
+    tpu.follow(found)
+    return found.name
+
+
 def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = False,
-          compile_cache: str | bool | None = None, trace_compiles: bool = True) -> Runtime:
+          compile_cache: str | bool | None = None, trace_compiles: bool = True, target: str | None = None) -> Runtime:
     """Detect the platform, configure and start the XLA runtime, and return its report.
 
     device: 'auto' (PJRT_DEVICE if set, else TPU if one is attached, else CPU), 'tpu' or 'cpu'.
@@ -234,6 +249,11 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
       $TPUKIT_CACHE_DIR (else ~/.cache/tpukit/xla) in a folder keyed by the torch_xla and libtpu
       versions and the topology; a directory puts it there; False turns it off.
     trace_compiles: record every compilation's cause and Python frames for tpukit.compiles.
+    target: the TPU you mean to run on ("v5e-1" on Colab, "v5e-8" on Kaggle, ...; default
+      ``$TPUKIT_TARGET``): every graph is also compiled for it by the real TPU compiler, in a
+      worker process, and what it says (fits in HBM or not, compile time, the step's floor)
+      reaches the dashboard, ``%%xla`` and ``tracker.summary()["tpu"]``. Can be set or changed
+      by a later call.
 
     Idempotent: later calls return the same Runtime; if they ask for settings the
     running runtime lacks, those are listed in ``Runtime.problems`` with the fix.
@@ -245,6 +265,9 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
     with _LOCK:
         if _STATE is not None:
             rt, first = _STATE
+            if target is not None and target != rt.target:
+                rt = dataclasses.replace(rt, target=_follow_target(target))
+                _STATE = (rt, first)
             if req == first or req == Request():
                 return rt
             extra = [p for p in _unapplied(req, rt) if p not in rt.problems]
@@ -285,6 +308,7 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
             tpu_signals=env.tpu_signals,
             bf16=kind == "TPU",
             cache_note=cache_plan.note,
+            target=_follow_target(target),
         )
         if started_before:
             problems.extend(_unapplied(req, rt, only=("device", "cpu_devices")))

@@ -29,7 +29,7 @@ FRAMES_ENV, FRAMES = "PT_XLA_DEBUG_MAX_FRAME", "64"
 HLO_SUFFIX = ".hlo"
 _NAME = re.compile(r"^compiles-(\d+)\.log(?:\.hlo)?$")
 _DUMP_FLAG = re.compile(r"--xla_dump_to=\S*tpukit-[^\s/\\]*[/\\]compiles-\d+\.log\.hlo\S*|--xla_dump_hlo_as_text|"
-                        r"--xla_dump_hlo_pass_re=\^\$")
+                        r"--xla_dump_hlo_as_proto|--xla_dump_hlo_pass_re=\^\$")
 
 _LOCK = threading.Lock()
 _CONFIGURED: str | None = None  # the trace file configure() made for this process
@@ -43,8 +43,9 @@ def folder() -> str:
 
 
 def dump_flags(path: str) -> str:
-    """The XLA_FLAGS that make XLA dump each compiled step graph's HLO text into ``path``."""
-    return f"--xla_dump_to={path} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
+    """The XLA_FLAGS that make XLA dump each compiled step graph's HLO into ``path``: the text the
+    reader compares graphs by, and the proto a TPU target compiles (read only when a target is set)."""
+    return f"--xla_dump_to={path} --xla_dump_hlo_as_text --xla_dump_hlo_as_proto --xla_dump_hlo_pass_re=^$"
 
 
 def _env_trace_file() -> str | None:

@@ -14,12 +14,13 @@ changed, and :func:`diff` says which.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections import Counter
 import re
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _MODULE_FILE = re.compile(r"^module_(\d+)\.(?P<name>[\w.\-]+?)\.before_optimizations\.txt$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<rest>.*)$")
@@ -52,6 +53,9 @@ class Graph:
     constants: tuple[Constant, ...]
     structure: str              # hash of the op sequence, shapes and values excluded
     op_counts: tuple[tuple[str, int], ...] = ()
+    partitions: int = 1         # SPMD: the number of devices the module is partitioned over
+    # The HloModuleProto XLA dumped beside the text, kept only when asked (a TPU target compiles it).
+    proto: bytes | None = field(default=None, repr=False, compare=False)
 
     @property
     def size(self) -> str:
@@ -156,9 +160,42 @@ def parse_hlo(text: str, module: int = -1) -> Graph:
         counts[o] = counts.get(o, 0) + 1
     structure = hashlib.sha1("\n".join(o for o in ops if o not in _NOT_STRUCTURE).encode()).hexdigest()[:16]
     constants = tuple(Constant(d, v, _user_op(n, consumer, opcode)) for n, (d, v) in consts.items())
+    parts = re.search(r"num_partitions=(\d+)", lines[0]) if lines else None
     return Graph(module=module, name=name, ops=len(counted), inputs=inputs, outputs=outputs,
                  constants=constants, structure=structure,
-                 op_counts=tuple(sorted(counts.items(), key=lambda kv: -kv[1])))
+                 op_counts=tuple(sorted(counts.items(), key=lambda kv: -kv[1])),
+                 partitions=int(parts.group(1)) if parts else 1)
+
+
+def module_proto(hlo_proto: bytes) -> bytes | None:
+    """The ``HloModuleProto`` inside an ``HloProto`` as XLA dumps it (field 1, length-delimited)."""
+    i = 0
+    while i < len(hlo_proto):
+        key, i = _varint(hlo_proto, i)
+        number, wire = key >> 3, key & 7
+        if wire == 2:
+            size, i = _varint(hlo_proto, i)
+            if number == 1:
+                return hlo_proto[i:i + size]
+            i += size
+        elif wire == 0:
+            _, i = _varint(hlo_proto, i)
+        elif wire in (1, 5):
+            i += 8 if wire == 1 else 4
+        else:
+            return None
+    return None
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i
+        shift += 7
 
 
 _PASS_THROUGH = ("broadcast", "reshape", "convert", "bitcast", "copy")
@@ -223,6 +260,7 @@ class HloDump:
 
     def __init__(self, path: str | None):
         self.path = path
+        self.protos = False  # keep each module's proto (a TPU target compiles it); see Reader.keep_protos
         self._lock = threading.Lock()
         self._seen: set[str] = set()
         self.graphs: list[Graph] = []
@@ -237,22 +275,30 @@ class HloDump:
             except OSError:
                 return []
             fresh = []
-            for n in names:
+            for n in names:  # the module texts first: a text's proto is read before it is deleted
                 m = _MODULE_FILE.match(n)
-                full = os.path.join(self.path, n)
-                if m and n not in self._seen:
-                    try:
-                        with open(full, errors="replace") as f:
-                            text = f.read()
-                    except OSError:
-                        continue
-                    if not text.rstrip().endswith("}"):
-                        continue  # still being written
-                    self._seen.add(n)
-                    fresh.append(parse_hlo(text, int(m.group(1))))
                 if m is None or n in self._seen:
+                    continue
+                full = os.path.join(self.path, n)
+                try:
+                    with open(full, errors="replace") as f:
+                        text = f.read()
+                except OSError:
+                    continue
+                if not text.rstrip().endswith("}"):
+                    continue  # still being written
+                self._seen.add(n)
+                graph = parse_hlo(text, int(m.group(1)))
+                if self.protos:
+                    graph = dataclasses.replace(graph, proto=_read_proto(full))
+                fresh.append(graph)
+            for n in names:  # then every other dump (LLVM IR, MLIR, protos) and the parsed texts
+                text_of = n[:-len(".hlo.pb")] + ".txt" if n.endswith(".before_optimizations.hlo.pb") else None
+                if text_of is not None and text_of not in self._seen:
+                    continue  # the proto of a module whose text is still being written
+                if _MODULE_FILE.match(n) is None or n in self._seen:
                     try:
-                        os.remove(full)  # other dumps (LLVM IR, MLIR) and parsed files
+                        os.remove(os.path.join(self.path, n))
                     except OSError:
                         pass
             fresh.sort(key=lambda g: g.module)
@@ -260,6 +306,10 @@ class HloDump:
             return fresh
 
 
-def dump_flags(path: str) -> str:
-    """The XLA_FLAGS that make XLA dump each compiled step graph's HLO text into ``path``."""
-    return f"--xla_dump_to={path} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$"
+def _read_proto(text_file: str) -> bytes | None:
+    """The module proto XLA dumped beside ``module_N.<name>.before_optimizations.txt``, if any."""
+    try:
+        with open(text_file[:-len(".txt")] + ".hlo.pb", "rb") as f:
+            return module_proto(f.read())
+    except OSError:
+        return None

@@ -158,6 +158,11 @@ class Reader:
                 return ev if ev.end is None else None
         return None
 
+    def keep_protos(self) -> None:
+        """From now on, keep each graph's ``HloModuleProto`` on its event (``event.graph.proto``), for
+        a consumer that compiles it again (the TPU target's compiler)."""
+        self.hlo.protos = True
+
     def add_seen(self, cause: str, frames: tuple[Frame, ...], counts: tuple[int, int], place: tuple,
                  inputs: classify.Signature, start: float, end: float) -> CompileEvent:
         """Publish a finished compile tpukit saw itself (an eager-mode op), classified at once at

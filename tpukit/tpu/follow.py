@@ -1,0 +1,108 @@
+"""Every graph the kit records, compiled for the target TPU in the background.
+
+``tpukit.setup(target="v5e-1")`` (or ``TPUKIT_TARGET``) registers one :class:`Follower`
+with ``tpukit.events``. Each finished compile the compile reader publishes carries its
+graph's ``HloModuleProto``; the follower hands it to the TPU compiler's worker process
+(:func:`~tpukit.tpu.graphs.compile_graph_async`: never on the training thread), keeps
+the answer by graph, and publishes it once as ``on_tpu_estimate(event, estimate)`` to
+whoever listens (the dashboard, ``%%xla``, a tracked loop's summary). The same graph
+(same torch_xla graph hash) is compiled once per target.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .. import events
+from .graphs import compile_graph_async
+from .record import TpuEstimate, gb
+from .targets import Target, target as _target
+from .worker import require
+
+
+def line(est: TpuEstimate) -> str:
+    """One line: ``v5e-1: fits, 0.27 GB of 15.75 GB HBM per chip, TPU compile 2.9 s, step >= 0.8 ms
+    (compute-bound)``, or the refusal."""
+    if not est.fits:
+        reason = (est.message or "does not fit").splitlines()[0][:160]
+        return f"{est.target}: does NOT fit ({gb(est.hbm_bytes)} of {gb(est.hbm_limit_bytes)} HBM per chip): {reason}"
+    return (f"{est.target}: fits, {gb(est.hbm_bytes)} of {gb(est.hbm_limit_bytes)} HBM per chip, TPU compile "
+            f"{est.compile_s:.1f} s, step >= {est.step_s_min * 1e3:.3g} ms ({est.bound}-bound)")
+
+
+class Follower:
+    """The listener that compiles each recorded graph for ``target`` (see the module doc)."""
+
+    def __init__(self, target: str | Target):
+        self.target = _target(target)
+        self._lock = threading.Lock()
+        self._by_graph: dict[str, TpuEstimate] = {}
+        self._of_event: dict[int, TpuEstimate] = {}
+        self._waiting: dict[str, list[Any]] = {}
+
+    def on_compile(self, event: Any) -> None:
+        graph = getattr(event, "graph", None)
+        if not event.settled or graph is None or graph.proto is None:
+            return
+        key = event.graph_hash or graph.structure
+        with self._lock:
+            known = self._by_graph.get(key)
+            if known is None:
+                waiting = self._waiting.setdefault(key, [])
+                waiting.append(event)
+                if len(waiting) > 1:
+                    return  # already on its way
+        if known is not None:
+            self._publish(event, known)
+            return
+        future = compile_graph_async(graph.proto, self.target, graph.partitions, name=event.name)
+        future.add_done_callback(lambda f, key=key: self._done(key, f))
+
+    def _done(self, key: str, future: Any) -> None:
+        try:
+            est = future.result()
+        except Exception:  # a missing compiler was checked when following; nothing else raises
+            return
+        with self._lock:
+            self._by_graph[key] = est
+            waiting = self._waiting.pop(key, [])
+        for event in waiting:
+            self._publish(event, est)
+
+    def _publish(self, event: Any, est: TpuEstimate) -> None:
+        with self._lock:
+            self._of_event[event.index] = est
+        events.call("on_tpu_estimate", event, est)
+
+    def estimate_of(self, event: Any) -> TpuEstimate | None:
+        """The estimate of ``event``'s graph once the TPU compiler answered, else None."""
+        with self._lock:
+            return self._of_event.get(event.index)
+
+    def pending(self) -> int:
+        """Graphs sent to the TPU compiler that have not answered yet."""
+        with self._lock:
+            return len(self._waiting)
+
+
+_FOLLOWER: list[Follower] = []
+_LOCK = threading.Lock()
+
+
+def follow(target: str | Target) -> Follower:
+    """Compile every graph recorded from now on for ``target``; returns the (one) follower."""
+    tgt = _target(target)
+    require()  # a clear error with the install line when the TPU compiler is missing
+    with _LOCK:
+        if _FOLLOWER and _FOLLOWER[0].target.name == tgt.name:
+            return _FOLLOWER[0]
+        for old in _FOLLOWER:
+            events.remove_listener(old)
+        _FOLLOWER[:] = [Follower(tgt)]
+    return events.add_listener(_FOLLOWER[0])
+
+
+def follower() -> Follower | None:
+    """The follower ``setup(target=...)`` registered, or None when no target is set."""
+    return _FOLLOWER[0] if _FOLLOWER else None
