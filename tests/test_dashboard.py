@@ -30,7 +30,8 @@ from tpukit import compiles, events
 from tpukit.compiles import CompileEvent, Frame
 from tpukit.errors import TpukitWarning
 from tpukit.runtime import Runtime
-from tpukit.steps import StepRecord, Verdict
+from tpukit.steps import StepRecord
+from tpukit.verdict import Verdict
 from tpukit.widgets import Dashboard, DashboardState, Report, choose_frontend, detect_context
 from tpukit.widgets import frontend, render
 from tpukit.widgets import report as report_mod

@@ -16,7 +16,7 @@ import torch
 import tpukit
 from tpukit import events
 from tpukit.profile import Profile, ProfileSummary, read_trace, trace_stats
-from tpukit.steps import BOTTLENECKS
+from tpukit.verdict import BOTTLENECKS
 
 needs_xprof = pytest.mark.skipif(importlib.util.find_spec("xprof") is None,
                                  reason="XProf (tpukit[profile]) is not installed")

@@ -18,7 +18,6 @@ from typing import Any, Callable
 
 from . import _xla, compiles, events, metrics
 from .compiles import CompileEvent
-from .verdict import BOTTLENECKS, Verdict, bottleneck  # noqa: F401 (moving: profile still imports them here)
 
 
 @dataclass(frozen=True)

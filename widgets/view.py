@@ -109,7 +109,7 @@ class View:
     new_graphs: int = 0
     expected: int = 0
     graphs: tuple[Compile, ...] = ()  # new graphs and expected compiles, latest first
-    verdict: Any = None          # tpukit.steps.Verdict of the tracked loop, None before/without one
+    verdict: Any = None          # tpukit.verdict.Verdict of the tracked loop, None before/without one
     settled_after: int | None = None
     tracked: bool = False        # a tracked loop fed this dashboard (warm-up and verdict are known)
     loop_done: bool = False      # ... and it has ended
