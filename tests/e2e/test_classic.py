@@ -54,10 +54,21 @@ IGNORED_CONSOLE = [
 ]
 # What ipywidgets 7 writes into the page when a widget cannot be shown.
 WIDGET_FAILURES = ("Error displaying widget", "Failed to display Jupyter Widget", "Error rendering")
-# Images in the live dashboard that are shown but empty or broken (the icon Colab showed before the first plot).
-BROKEN_IMAGES_JS = """() => Array.from(document.querySelectorAll('.tpukit-dashboard img'))
-    .filter(img => img.offsetParent !== null && !(img.complete && img.naturalWidth > 0))
-    .map(img => (img.getAttribute('src') || '').slice(0, 40))"""
+# Images in the live dashboard that are shown but empty or broken (the icon Colab showed before the first
+# plot). An image whose next PNG is still loading is neither: each refresh points the <img> at a new blob:
+# URL, and for the few milliseconds Chromium takes to decode it the element reports complete=false and
+# naturalWidth=0 while it keeps its size and the previous plot. Sampled at that moment, a healthy image
+# looked broken (the flaky failure); so each shown image is judged once it has finished loading (a newer
+# refresh may start another load: wait again, up to 2 s, after which a load still running counts as broken).
+BROKEN_IMAGES_JS = """async () => {
+    const shown = () => Array.from(document.querySelectorAll('.tpukit-dashboard img'))
+        .filter(img => img.offsetParent !== null);
+    const deadline = Date.now() + 2000;
+    while (shown().some(img => !img.complete) && Date.now() < deadline)
+        await new Promise(done => setTimeout(done, 20));
+    return shown().filter(img => !(img.complete && img.naturalWidth > 0))
+        .map(img => (img.complete ? 'broken: ' : 'never loaded: ') + (img.getAttribute('src') || '').slice(0, 40));
+}"""
 LIVE_PLOT_JS = """() => Array.from(document.querySelectorAll('.tpukit-dashboard img'))
     .some(img => img.offsetParent !== null && img.complete && img.naturalWidth > 0)"""
 
