@@ -32,7 +32,7 @@ _LOCK = threading.RLock()
 _LISTENERS: list[Any] = []
 # Called with each newly added listener (steps arms its sync hook from here).
 _ADD_WATCHERS: list[Callable[[Any], None]] = []
-# Builds a live dashboard; the UI package (tpukit.widgets) registers it on import.
+# Builds a live dashboard: tpukit/__init__.py sets it to tpukit.widgets.open_view (the core cannot import the UI).
 _DASHBOARD_FACTORY: list[Callable[..., Any]] = []
 
 
@@ -107,7 +107,7 @@ def when_added(fn: Callable[[Any], None]) -> None:
 
 
 def set_dashboard_factory(factory: Callable[..., Any]) -> None:
-    """Register how to build a live dashboard (the UI package does this when imported)."""
+    """Register how to build a live dashboard (``tpukit/__init__.py`` registers ``tpukit.widgets.open_view``)."""
     with _LOCK:
         _DASHBOARD_FACTORY[:] = [factory]
 
