@@ -21,6 +21,17 @@ run of this script:
                    max_length=64): every batch padded to one fixed length, the
                    usual advice for TPUs
 
+and the kit inside the Trainer, two lines added to the Trainer as users write it:
+
+  trainer_tpukit          Trainer(..., data_collator=tpukit.hf.BucketCollator(tokenizer, lengths=...),
+                          callbacks=[tpukit.hf.Callback()]) with optim="adamw_torch" and
+                          dataloader_drop_last=True: the advisor's buckets (the same as the tpukit
+                          way's), the 4-D mask, the callback's records and dashboard
+  trainer_tuned_callback  trainer_tuned + tpukit.hf.Callback(): what the callback costs on a Trainer
+                          that compiles nothing new (ratio_callback_overhead, target <= 1.02)
+
+Targets: default Trainer / trainer_tpukit >= 4, trainer_tpukit / tpukit <= 1.1.
+
 and, for reference, tpukit_equal_buckets: the same loop and mask recipe with the
 naive four equal buckets 16/32/48/64 (bucket_lengths(64, 4)) on the same examples
 (BucketBatcher drops the partial batch of each bucket, so it runs a few steps
@@ -70,10 +81,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bert_common as common  # noqa: E402
 
-WAYS = ("tpukit", "trainer_default", "trainer_tuned", "tpukit_equal_buckets")
+WAYS = ("tpukit", "trainer_default", "trainer_tuned", "trainer_tuned_callback", "trainer_tpukit",
+        "tpukit_equal_buckets")
 NUM_BUCKETS = 4  # the reference way's naive equal buckets
 POOL = int(os.environ.get("BENCH_EXAMPLES", "800"))  # the whole sample (800 examples)
-TARGETS = {"ratio_default_trainer_over_tpukit": 3.0, "ratio_tuned_trainer_over_tpukit": 1.0}
+TARGETS = {"ratio_default_trainer_over_tpukit": 3.0, "ratio_tuned_trainer_over_tpukit": 1.0,
+           "ratio_default_trainer_over_trainer_tpukit": 4.0,  # at least
+           "ratio_trainer_tpukit_over_tpukit": 1.1,  # at most
+           "ratio_callback_overhead": 1.02}  # at most
 
 
 def plan() -> dict:
@@ -107,7 +122,7 @@ def run_tpukit(rt, p: dict, equal_buckets: bool = False) -> dict:
     return result
 
 
-def run_trainer(rt, p: dict, tuned: bool) -> dict:
+def run_trainer(rt, p: dict, tuned: bool, callback: bool = False, bucket: bool = False) -> dict:
     try:
         import accelerate
     except ImportError as exc:
@@ -116,6 +131,7 @@ def run_trainer(rt, p: dict, tuned: bool) -> dict:
             f"({exc}). transformers raises ImportError in TrainingArguments._setup_devices. Install it with "
             f"pip install 'accelerate>=1.1.0' (or transformers[torch]).")}
     import tpukit
+    import tpukit.hf
     from tpukit import _xla, compiles
     from transformers import DataCollatorWithPadding, Trainer, TrainerCallback, TrainingArguments
     from transformers.utils import is_torch_xla_available
@@ -141,6 +157,10 @@ def run_trainer(rt, p: dict, tuned: bool) -> dict:
     shapes: list[str] = []
     collate = (DataCollatorWithPadding(tok, padding="max_length", max_length=common.MAX_LENGTH) if tuned
                else DataCollatorWithPadding(tok))  # the second is exactly Trainer's default collator
+    if bucket:  # the advisor's buckets for the whole sample's lengths, as the tpukit way; the 4-D mask
+        collate = tpukit.hf.BucketCollator(tok, max_length=common.MAX_LENGTH, lengths=[len(i) for i in ids],
+                                           batch_size=common.BATCH)
+    kit = tpukit.hf.Callback() if callback else None  # as users add it: dashboard on (text here)
 
     def counting(features):
         batch = collate(features)
@@ -152,7 +172,7 @@ def run_trainer(rt, p: dict, tuned: bool) -> dict:
     args = TrainingArguments(
         output_dir=out_dir, per_device_train_batch_size=common.BATCH, num_train_epochs=1,
         learning_rate=common.LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=0.0,
+        optim="adamw_torch", dataloader_drop_last=bucket, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_grad_norm=0.0,
         dataloader_num_workers=0, eval_strategy="no", save_strategy="no", report_to="none",
         disable_tqdm=True, seed=common.SEED,
     )
@@ -160,12 +180,14 @@ def run_trainer(rt, p: dict, tuned: bool) -> dict:
     before_setup = tpukit.snapshot()
     # trainer_default passes no data_collator: Trainer picks DataCollatorWithPadding(processing_class) itself.
     # The wrapper that records batch shapes is attached after construction, so the default is really chosen.
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, processing_class=tok, callbacks=[clock],
-                      **({"data_collator": collate} if tuned else {}))
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, processing_class=tok,
+                      callbacks=[clock] + ([kit] if kit else []),
+                      **({"data_collator": collate} if tuned or bucket else {}))
     chosen = type(trainer.data_collator).__name__
     chosen_padding = getattr(trainer.data_collator, "padding", None)
-    if not tuned:
+    if not tuned and not bucket:
         collate = trainer.data_collator
+    counting.data_collator = collate  # tpukit.hf finds the collator (its buckets, its name) behind the wrapper
     trainer.data_collator = counting
     setup_s = time.perf_counter() - t0
     before = tpukit.snapshot()
@@ -185,7 +207,14 @@ def run_trainer(rt, p: dict, tuned: bool) -> dict:
     step_compiles = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
     steady = [w for w, c in zip(walls, step_compiles) if c == 0]
     state = getattr(trainer.accelerator, "state", None)
+    kit_summary = {}
+    if kit is not None:
+        sm = kit.summary()
+        kit_summary = {"callback_summary": {k: sm[k] for k in ("steps", "compiles", "recompilations", "new_graphs",
+                                                               "expected_compiles", "forced_reads", "alarms",
+                                                               "warnings", "bottleneck", "collator")}}
     return {
+        **kit_summary,
         "ok": True,
         "steps": trainer.state.global_step,
         "total_s": total,
@@ -208,8 +237,9 @@ def run_trainer(rt, p: dict, tuned: bool) -> dict:
                              "next interval"),
         "train_loss": output.training_loss,
         "fallbacks": delta.fallbacks,
-        "data_collator": f"{chosen}(padding={chosen_padding!r}"
-                         + (f", max_length={common.MAX_LENGTH})" if tuned else ") (Trainer's default)"),
+        "data_collator": (repr(collate) if bucket else f"{chosen}(padding={chosen_padding!r}"
+                          + (f", max_length={common.MAX_LENGTH})" if tuned else ") (Trainer's default)")),
+        "callback": "tpukit.hf.Callback()" if kit is not None else None,
         "trainer_device": str(args.device),
         "model_device": str(next(trainer.model.parameters()).device),
         "is_torch_xla_available": bool(is_torch_xla_available()),
@@ -228,7 +258,8 @@ def child(way: str, out: str) -> None:
         if way.startswith("tpukit"):
             result = run_tpukit(rt, p, equal_buckets=(way == "tpukit_equal_buckets"))
         else:
-            result = run_trainer(rt, p, tuned=(way == "trainer_tuned"))
+            result = run_trainer(rt, p, tuned=way.startswith("trainer_tuned"), callback=way in (
+                "trainer_tpukit", "trainer_tuned_callback"), bucket=way == "trainer_tpukit")
         result.update(examples=len(p["kept"]), dropped_by_batcher=p["batcher"].dropped, advice=p["advice"])
     except Exception as exc:  # report why, do not just crash
         import traceback
@@ -270,6 +301,7 @@ def main() -> int:
     results = common.keep_raw(results)
     tp, dflt, tuned, eq = (results["tpukit"], results["trainer_default"], results["trainer_tuned"],
                            results["tpukit_equal_buckets"])
+    tr_kit, tuned_cb = results["trainer_tpukit"], results["trainer_tuned_callback"]
     result: dict = {
         "ratio_default_trainer_over_tpukit": None,
         "ratio_tuned_trainer_over_tpukit": None,
@@ -287,6 +319,10 @@ def main() -> int:
             "trainer_default": "Trainer(..., processing_class=tokenizer): default DataCollatorWithPadding "
                                "(dynamic padding), random sampler, 2-D mask",
             "trainer_tuned": f"Trainer with DataCollatorWithPadding(padding='max_length', max_length={common.MAX_LENGTH})",
+            "trainer_tpukit": "Trainer + tpukit.hf.Callback() + tpukit.hf.BucketCollator(tokenizer, lengths=..., "
+                              "max_length=64) (the advisor's buckets, the 4-D mask), dataloader_drop_last=True",
+            "trainer_tuned_callback": "trainer_tuned + tpukit.hf.Callback() (dashboard on, text mode): the "
+                                      "callback's overhead on a Trainer that compiles nothing new",
             "tpukit_equal_buckets": "the tpukit loop and mask recipe with the naive equal buckets "
                                     f"{eq.get('buckets')} on the same examples (reference, not a target)",
             "timing": "time to finish = tpukit's tracked loop / trainer.train(), both incl. compilation; Trainer "
@@ -298,14 +334,24 @@ def main() -> int:
     if all(r.get("ok") for r in results.values()):
         r_def = dflt["total_s"] / tp["total_s"]
         r_tun = tuned["total_s"] / tp["total_s"]
+        r_kit = dflt["total_s"] / tr_kit["total_s"]
+        r_own = tr_kit["total_s"] / tp["total_s"]
+        r_cb = tuned_cb["total_s"] / tuned["total_s"]
         result.update(
+            ratio_default_trainer_over_trainer_tpukit=r_kit,
+            ratio_trainer_tpukit_over_tpukit=r_own,
+            ratio_callback_overhead=r_cb,
+            ratio_callback_overhead_cpu=tuned_cb["cpu_s"] / tuned["cpu_s"],
             ratio_default_trainer_over_tpukit=r_def,
             ratio_tuned_trainer_over_tpukit=r_tun,
             ratio_default_trainer_over_tpukit_cpu=dflt["cpu_s"] / tp["cpu_s"],
             ratio_tuned_trainer_over_tpukit_cpu=tuned["cpu_s"] / tp["cpu_s"],
             ratio_equal_buckets_over_advisor=eq["total_s"] / tp["total_s"],
             targets_met={"ratio_default_trainer_over_tpukit >= 3": r_def >= 3.0,
-                         "ratio_tuned_trainer_over_tpukit >= 1.0": r_tun >= 1.0},
+                         "ratio_tuned_trainer_over_tpukit >= 1.0": r_tun >= 1.0,
+                         "ratio_default_trainer_over_trainer_tpukit >= 4": r_kit >= 4.0,
+                         "ratio_trainer_tpukit_over_tpukit <= 1.1": r_own <= 1.1,
+                         "ratio_callback_overhead <= 1.02": r_cb <= 1.02},
             time_to_finish_s={w: r["total_s"] for w, r in results.items()},
             steady_step_s={w: r["steady_step_s"] for w, r in results.items()},
             compiles={w: r["compiles"] for w, r in results.items()},
@@ -335,6 +381,10 @@ def main() -> int:
               f"{result['ratio_default_trainer_over_tpukit_cpu']:.2f})")
         print(f"ratio tuned Trainer / tpukit:   {r_tun:.2f} (target >= 1.0; cpu time "
               f"{result['ratio_tuned_trainer_over_tpukit_cpu']:.2f})")
+        print(f"ratio default Trainer / (Trainer + tpukit.hf): {r_kit:.2f} (target >= 4)")
+        print(f"ratio (Trainer + tpukit.hf) / tpukit's own loop: {r_own:.2f} (target <= 1.1)")
+        print(f"ratio fixed-padding Trainer with / without tpukit.hf.Callback: {r_cb:.3f} (target <= 1.02; cpu time "
+              f"{result['ratio_callback_overhead_cpu']:.3f})")
         print(f"tpukit's buckets {tp['buckets']}: {tp['advice']}")
         print(f"ratio tpukit with 4 equal buckets / with the advisor's: {result['ratio_equal_buckets_over_advisor']:.2f}")
         for text in result["why"].values():

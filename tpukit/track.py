@@ -1,8 +1,10 @@
 """``track()``: a data loader wrapped so each step is synced once, timed and recorded.
 
 All of one loop's state lives in its :class:`Tracker` (its clock, history,
-guard, progress bar), so loops in several threads (``launch()`` runs one
-thread per device) never share anything but the listener registry.
+guard, progress bar) and in the :class:`~tpukit.compiles.LoopContext` it opens on
+its thread (the batch of each step and the declared shapes the compile classifier
+judges its graphs by), so loops in several threads (``launch()`` runs one thread
+per device) never share anything but the listener registry.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any, Iterable, Iterator
 from . import _tree, _xla, compiles, events, steps
 from .guards import StepGuard
 from .spmd import device_loader
-from .steps import StepRecord, Verdict
+from .steps import StepRecord
+from .verdict import Verdict, bottleneck
 
 _END = object()
 
@@ -57,8 +60,9 @@ class Tracker:
 
     def __init__(self, iterable: Iterable, total: int | None, device: Any, mesh: Any, progress: bool,
                  desc: str | None, guard: StepGuard | None, dashboard: bool, batch_size: int | None,
-                 shapes: Any = None):
+                 shapes: Any = None, hint: str | None = None):
         self.iterable = iterable
+        self.hint = hint  # the loop's own fix for a batch that changed shape (the classifier's hint)
         self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
         self.device = device
         self.mesh = mesh
@@ -90,70 +94,128 @@ class Tracker:
         return iter(self.iterable), False
 
     def __iter__(self) -> Iterator:
+        self._open()
+        source, on_device = self._source()
+        self._start(_progress_bar(self.total, self.desc) if self.progress else None)
+        completed = False
+        clk = time.perf_counter
+        try:
+            with self._loop:
+                # A step's logged values are read, and its record published, once the
+                # *next* step has been traced and just before that step's sync: the
+                # host never waits for the device while it could be tracing, and the
+                # sync would have waited for the previous execution anyway.
+                while True:
+                    t0 = clk()
+                    batch = next(source, _END)  # waiting for data, and nothing else
+                    if batch is _END:
+                        break
+                    if not on_device:
+                        batch = to_device(batch, self.device)
+                    self.before_step(batch, input_time=clk() - t0)
+                    yield batch
+                    self.after_step()
+                self._finish()
+            completed = True
+        finally:
+            self._close(completed)
+
+    # ------------------------------------------------------------------ the manual-step API
+    # ``for batch in tracker`` is begin(), before_step()/after_step() around each yielded
+    # batch, end(). A loop that is not a for loop over batches (a Trainer callback) calls
+    # them itself: begin() on the loop's thread, before_step(batch) before the step is
+    # traced, after_step() once the step's work is queued (it syncs, or with sync=False
+    # records the sync the loop made itself), end() after the last step.
+
+    def begin(self) -> None:
+        """Start the loop: the device, the dashboard, the flush of work queued before it, its clock
+        and its :class:`~tpukit.compiles.LoopContext` (opened on this thread until :meth:`end`)."""
+        self._open()
+        self._start(_progress_bar(self.total, self.desc) if self.progress else None)
+        self._loop.__enter__()
+
+    def before_step(self, batch: Any, input_time: float = 0.0) -> None:
+        """The step about to be traced takes ``batch`` (its signature is what the classifier compares;
+        ``input_time``: seconds spent waiting for it). Called again in the same step (gradient
+        accumulation, an evaluation), it notes the new batch and keeps the step's timing."""
+        if self._t1 is None:  # the step's first batch (a step may take several: accumulation, evaluation)
+            self._t1 = time.perf_counter()
+            self._input_time = input_time
+        self._loop.note_inputs(input_signature(batch))
+        self._n = self.batch_size or batch_size_of(batch)
+
+    def after_step(self, sync: bool = True, scalars: dict | None = None) -> None:
+        """The step's work is queued: record the previous step (its values read now, without waiting
+        for this one), sync this one (``sync=False``: the loop synced by itself, e.g. the Trainer's
+        data loader) and hold its record until the next step or :meth:`end`. ``scalars``: values
+        already read on the host to add to the step's record."""
+        clk = time.perf_counter
+        t2 = clk()
+        if self._held is not None:
+            self._record(*self._held, self._bar)
+            self._held = None
+        t3 = clk()
+        if sync:
+            self._loop.sync(_xla.sync)  # named after the loop: its compiles are judged with its batches
+        t4 = clk()
+        t1 = self._t1 if self._t1 is not None else t2
+        times = {"input_time": self._input_time, "tracing_time": (t2 - t1) + (t4 - t3), "wait_time": t3 - t2}
+        rec = self._clock.tick(dict(scalars or {}), self._n, settle=0, **times)
+        self._held = (rec, steps.take_synced(), self._clock.span)
+        self._t1, self._input_time = None, 0.0
+
+    def end(self, completed: bool = True) -> None:
+        """End the loop: wait for the device, record the last step, close the loop context, and (when
+        ``completed``) show the dashboard's report."""
+        try:
+            if completed:
+                self._finish()
+        finally:
+            self._loop.__exit__(None, None, None)
+            self._close(completed)
+
+    def _open(self) -> None:
         if self.device is None:
             self.device = _xla.device()
         if self._want_dashboard and self.dashboard is None:
             self.dashboard = dashboard(batch_size=self.batch_size)
-        source, on_device = self._source()
-        bar = _progress_bar(self.total, self.desc) if self.progress else None
+
+    def _start(self, bar: Any) -> None:
+        self._bar = bar
         steps.loop_started()  # first, so the flush below is not a free-standing step
         _xla.sync()  # flush work queued before the loop so step 1 measures only itself
-        clock = steps.Clock()
+        self._clock = steps.Clock()
         steps.ensure_hook()
-        compiles.declare_shapes(self.declared)
+        self._loop = compiles.LoopContext(self.declared, self.hint)
+        self._held: tuple[StepRecord, list, tuple] | None = None
+        self._t1: float | None = None
+        self._input_time = 0.0
+        self._n: int | None = None
         self.started = time.time()
         events.call("on_track_start", self)
-        completed = False
-        clk = time.perf_counter
-        try:
-            # A step's logged values are read, and its record published, once the
-            # *next* step has been traced and just before that step's sync: the
-            # host never waits for the device while it could be tracing, and the
-            # sync would have waited for the previous execution anyway.
-            held: tuple[StepRecord, list] | None = None
-            while True:
-                t0 = clk()
-                batch = next(source, _END)  # waiting for data, and nothing else
-                if batch is _END:
-                    break
-                if not on_device:
-                    batch = to_device(batch, self.device)
-                t1 = clk()
-                compiles.note_inputs(input_signature(batch))
-                n = self.batch_size or batch_size_of(batch)
-                yield batch
-                t2 = clk()
-                if held is not None:
-                    self._record(*held, bar, wait=2.5)
-                    held = None
-                t3 = clk()
-                _xla.sync()
-                t4 = clk()
-                times = {"input_time": t1 - t0, "tracing_time": (t2 - t1) + (t4 - t3), "wait_time": t3 - t2}
-                held = (clock.tick({}, n, **times), steps.take_synced())
-            if held is not None:
-                a = clk()
-                _xla.wait_device_ops()  # the loop is done when the device is
-                self.tail_wait = clk() - a
-                self.tail_device = clock.drain()
-                self._record(*held, bar, wait=3.0)
-            completed = True
-        finally:
-            steps.loop_ended()
-            compiles.declare_shapes(())
-            compiles.note_inputs(None)
-            self.finished = time.time()
-            if bar is not None:
-                bar.close()
-            events.call("on_track_end", self)
-            if completed and self.dashboard is not None:
-                self.dashboard.report()
 
-    def _record(self, rec: StepRecord, values: list, bar: Any, wait: float = 0.0) -> None:
+    def _finish(self) -> None:
+        if self._held is not None:
+            a = time.perf_counter()
+            _xla.wait_device_ops()  # the loop is done when the device is
+            self.tail_wait = time.perf_counter() - a
+            self.tail_device = self._clock.drain()
+            held, self._held = self._held, None
+            self._record(*held, self._bar)
+
+    def _close(self, completed: bool) -> None:
+        steps.loop_ended()
+        self.finished = time.time()
+        if self._bar is not None:
+            self._bar.close()
+        events.call("on_track_end", self)
+        if completed and self.dashboard is not None:
+            self.dashboard.report()
+
+    def _record(self, rec: StepRecord, values: list, span: tuple, bar: Any) -> None:
         if values:
             rec = dataclasses.replace(rec, scalars=steps.read_values(values))
-        if rec.compile_events:  # classified since the step was ticked (their HLO arrives after the sync)
-            rec = dataclasses.replace(rec, compile_events=compiles.current(rec.compile_events, wait))
+        rec = steps.Clock.settle(rec, span)  # classified by now (their HLO arrives after the sync)
         self.history.append(rec)
         events.call("on_step", rec)
         if bar is not None:
@@ -180,7 +242,7 @@ class Tracker:
 
     def verdict(self) -> Verdict | None:
         """Where the time went: the bottleneck over the steady steps (or all, if it never settled)."""
-        return steps.bottleneck(self.history, self.settled_after(), self.tail_wait, self.tail_device)
+        return bottleneck(self.history, self.settled_after(), self.tail_wait, self.tail_device)
 
     def summary(self) -> dict:
         """Steps, compiles by kind (eager mode's per-op compiles among them, also counted apart with

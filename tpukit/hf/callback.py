@@ -1,0 +1,196 @@
+"""``tpukit.hf.Callback``: the kit inside a ``transformers.Trainer`` (``callbacks=[tpukit.hf.Callback()]``).
+
+The Trainer owns its loop, so the callback drives a :class:`tpukit.Tracker` through its
+manual-step API: ``begin()`` at ``on_train_begin`` (after the checks of
+:mod:`tpukit.hf.checks`, before anything compiles), ``before_step(batch)`` from a forward
+pre-hook on the model (the batch the collator produced, by its keys: ``input_ids: (8, 38)
+-> (8, 42)``), ``after_step(sync=False)`` when the next optimizer step begins, and
+``end()`` at ``on_train_end``. The Trainer syncs by itself (its XLA data loader when it
+fetches the next batch, its logging, its evaluation), so one record per optimizer step
+(``state.global_step``) holds all the syncs of that step. The loop's hint for a batch
+that changed shape names the Trainer's collator and the fix.
+
+``Callback`` is built on first use (``tpukit.hf.Callback``), so ``import tpukit.hf`` does
+not import transformers.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from .. import compiles, tpu
+from .._xla import hlo as xla_hlo
+from ..guards import StepGuard
+from ..track import Tracker
+from . import checks
+
+TRAIN_PLACE = "the Trainer's training step"
+EVAL_PLACE = "the Trainer's evaluation"
+
+
+class CallbackLogic:
+    """The body of :class:`tpukit.hf.Callback` (a ``transformers.TrainerCallback``).
+
+    ``dashboard``: open tpukit's live dashboard for the run (its report at the end).
+    ``guard``: ``tpukit.no_recompile_after(k)``, raising on a recompilation after ``k`` steps.
+    ``target``: a TPU (``"v5e-1"``) the step after warm-up is compiled for, in the TPU compiler's
+    worker (``estimate``: a :class:`tpukit.tpu.TpuEstimate`, also in ``summary()``; needs the TPU
+    compiler installed, else None).
+    ``warmup``: the steps after which a value read mid-step counts in ``summary()["forced_reads"]``.
+    After training: ``tracker`` (its ``history``: one StepRecord per optimizer step),
+    ``summary()``, ``verdict()``, ``warnings`` (what the start-of-training checks found).
+    """
+
+    def __init__(self, dashboard: bool = True, target: Any = None, guard: StepGuard | None = None,
+                 warmup: int = 2):
+        if guard is not None and not isinstance(guard, StepGuard):
+            raise TypeError("Callback(guard=...) takes tpukit.no_recompile_after(k).")
+        if not isinstance(warmup, int) or warmup < 0:
+            raise ValueError(f"Callback(warmup={warmup!r}) needs a non-negative int.")
+        if target is not None:
+            target = tpu.target(target)
+        self.dashboard, self.target, self.guard, self.warmup = dashboard, target, guard, warmup
+        self.tracker: Tracker | None = None
+        self.collator: Any = None
+        self.warnings: list[str] = []
+        self.estimate: Any = None  # the TPU compiler's answer for the steady step on ``target``
+        self._future: Any = None
+        self._hook: Any = None
+        self._in_step = False
+        self._logs: dict[str, float] = {}
+        self._evals: list[list[Any]] = []  # [mark at the first eval forward, mark at on_evaluate]
+        self._thread: int | None = None
+
+    # ------------------------------------------------------------------ the Trainer's events
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The Trainer is built: refuse what cannot work on XLA now, before ``train()``."""
+        checks.refuse(args)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       train_dataloader: Any = None, eval_dataloader: Any = None, **kwargs: Any) -> None:
+        """Check the setup (before anything compiles), then start the tracked loop and hook the model."""
+        self.warnings = checks.check_training(args, optimizer, train_dataloader, eval_dataloader)
+        self.collator = checks.collator_of(train_dataloader)
+        batch = int(getattr(args, "per_device_train_batch_size", 0) or 0) or None
+        self.tracker = Tracker((), state.max_steps or None, None, None, False, None, self.guard, self.dashboard,
+                               batch, shapes=getattr(self.collator, "buckets", None),
+                               hint=checks.shape_hint(self.collator))
+        self._thread = threading.get_ident()
+        if model is not None:
+            self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self._in_step, self._logs, self._evals = False, {}, []
+        self.tracker.begin()
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The previous optimizer step is over: its syncs (the loader's fetch of this batch) are made."""
+        self._step_over()
+        self._in_step = True
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        """The Trainer's logged values (already on the host) go into the step's record."""
+        for k, v in (logs or {}).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self._logs[k] = float(v)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """An evaluation ended: its compiles are placed at the Trainer's evaluation."""
+        if self._evals and self._evals[-1][1] is None:
+            self._evals[-1][1] = compiles.mark()
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """The Trainer synced the epoch's last step: record it."""
+        self._step_over()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Record the last step, end the loop (the dashboard's report), unhook the model."""
+        if self.tracker is None:
+            return
+        try:
+            self._step_over()
+            self.tracker.end(completed=True)
+            if self._future is not None:
+                self.estimate = self._future.result()
+        finally:
+            self._unhook()
+
+    # ------------------------------------------------------------------ internals
+    def _before_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
+        if self.tracker is None or threading.get_ident() != self._thread:
+            return
+        if not module.training and (not self._evals or self._evals[-1][1] is not None):
+            self._evals.append([compiles.mark(), None])
+        self.tracker.before_step(kwargs if kwargs else args)
+
+    def _step_over(self) -> None:
+        if not self._in_step or self.tracker is None:
+            return
+        self._in_step = False
+        logs, self._logs = self._logs, {}
+        try:
+            self.tracker.after_step(sync=False, scalars=logs)
+        except BaseException:  # a guard's RecompilationError: close the loop, then let it out
+            self.tracker.end(completed=False)
+            self._unhook()
+            raise
+
+    def _unhook(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                    **kwargs: Any) -> None:
+        """With a ``target``: the first step after warm-up, still pending (not synced yet), is sent
+        to the TPU compiler (in its worker, off this thread) as the run's steady step graph."""
+        if self.target is None or self._future is not None or state.global_step != self.warmup + 1:
+            return
+        if not tpu.available() or model is None:
+            return
+        tensors = [p for p in model.parameters()]
+        for group_state in getattr(getattr(optimizer, "optimizer", optimizer), "state", {}).values():
+            tensors += [v for v in group_state.values() if hasattr(v, "device") and v.device.type == "xla"]
+        self._future = tpu.compile_graph_async(xla_hlo.hlo_module_proto(tensors), self.target,
+                                               name="the Trainer's training step")
+
+    def place(self, event: Any) -> str:
+        """Where a compile happened, in the Trainer's terms (its training step or its evaluation)."""
+        for start, stop in self._evals:
+            if not start.before(event) and (stop is None or stop.before(event)):
+                return f"{EVAL_PLACE} (trainer.train() at {event.where})"
+        return f"{TRAIN_PLACE} (trainer.train() at {event.where})"
+
+    # ------------------------------------------------------------------ results
+    def verdict(self) -> Any:
+        """Where the run's time went (see :meth:`tpukit.Tracker.verdict`); None before training."""
+        return self.tracker.verdict() if self.tracker else None
+
+    def summary(self) -> dict:
+        """``Tracker.summary()`` of the run plus ``alarms`` (one line per recompilation: place, evidence
+        and hint), ``forced_reads`` (values read from the device mid-step after ``warmup`` steps),
+        ``collator`` and ``warnings`` (the start-of-training checks)."""
+        if self.tracker is None:
+            raise RuntimeError("Callback.summary(): the Trainer has not started training with this callback yet.")
+        out = self.tracker.summary()
+        h = self.tracker.history
+        out["alarms"] = [compiles.describe(e, where=self.place(e)) for r in h for e in r.recompilations]
+        out["forced_reads"] = sum(r.item_reads for r in h if r.step > self.warmup)
+        out["collator"] = checks.collator_name(self.collator)
+        out["warnings"] = list(self.warnings)
+        if self.estimate is not None:
+            out["tpu_estimate"] = self.estimate
+        return out
+
+
+_CLASS: list[type] = []
+
+
+def callback_class() -> type:
+    """``tpukit.hf.Callback``: :class:`CallbackLogic` as a ``transformers.TrainerCallback`` (built once)."""
+    if not _CLASS:
+        from transformers import TrainerCallback  # optional heavy dependency: only when a callback is made
+
+        cls = type("Callback", (CallbackLogic, TrainerCallback), {"__module__": "tpukit.hf",
+                                                                   "__doc__": CallbackLogic.__doc__})
+        _CLASS.append(cls)
+    return _CLASS[0]
