@@ -31,6 +31,7 @@ from .pod import run_on_slice
 from .profile import Profile, ProfileSummary, profile
 from .runtime import Runtime, rank, setup
 from .spmd import device_loader, fsdp, mesh, shard_batch, sharding_spec
+from .tpu import TpuEstimate, estimate, largest_batch
 from .steps import StepRecord, log, on_step
 from .track import Tracker, dashboard, track
 from . import events, widgets  # the notebook UI (imports no UI library)
@@ -71,6 +72,9 @@ __all__ = [
     "sharding_spec",
     "device_loader",
     "fsdp",
+    "estimate",
+    "largest_batch",
+    "TpuEstimate",
     "launch",
     "run_on_slice",
     "LocalSlice",

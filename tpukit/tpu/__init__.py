@@ -1,0 +1,28 @@
+"""TPU truth without a TPU: the real TPU compiler (libtpu, compile-only, in a worker process) for any target.
+
+- :func:`estimate` / :func:`largest_batch`: trace a step, never run it, compile it for a TPU slice.
+- :func:`compile_graph` / :func:`compile_graph_async`: a graph the kit already has, for the target.
+- :func:`target` / :data:`TARGETS` / :func:`default_target`: the table of TPU slices (``TPUKIT_TARGET``).
+- :func:`bucket_costs`: the bucket advisor's costs from the target's compiler.
+- :func:`follow` (``tpukit.setup(target=...)``): every graph the kit records, estimated in the background.
+
+The parent process never imports jax or libtpu; only :mod:`._jax`, in the worker, does.
+"""
+
+from __future__ import annotations
+
+from .estimate import BatchFit, estimate, largest_batch
+from .follow import Follower, follow, follower, line
+from .follow import Follower, follow, follower, line
+from .graphs import bucket_costs, compile_graph, compile_graph_async
+from .record import Suggestion, TpuCompileError, TpuEstimate
+from .targets import TARGETS, Chip, Target, TargetError, default_target, target
+from .worker import (TpuCompilerMissingError, WorkerError, available, cache_dir, cache_info, require, stop, versions,
+                     worker_pid)
+
+__all__ = [
+    "estimate", "largest_batch", "BatchFit", "TpuEstimate", "Suggestion", "compile_graph", "compile_graph_async",
+    "bucket_costs", "target", "TARGETS", "Target", "Chip", "default_target", "available", "versions",
+    "cache_dir", "cache_info", "worker_pid", "stop", "TargetError", "TpuCompileError", "TpuCompilerMissingError",
+    "WorkerError", "Follower", "follow", "follower", "line", "require",
+]

@@ -1,0 +1,99 @@
+"""The TPU compiler's worker process: reads compile requests on stdin, answers on stdout (pickled records).
+
+Started by :mod:`tpukit.tpu.worker` as ``python -c`` with a bare ``tpukit.tpu``
+package (tpukit's ``__init__`` is not run), so the worker loads jax and libtpu
+and nothing of torch or torch_xla. It is compile-only: its devices come from a
+topology description and no chip is ever opened. The protocol is a 4-byte
+big-endian length then a pickled dict, one request then one reply; libtpu's own
+logging goes to stderr, never to the protocol's stream.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import struct
+import sys
+import time
+from typing import BinaryIO
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _bytes(number: str, unit: str = "") -> int:
+    return int(float(number) * _UNITS[(unit or "").upper()[:1]])
+
+
+def memory_figures(message: str) -> tuple[int | None, int | None]:
+    """(bytes required, bytes available) from a TPU compiler out-of-memory message, when it says them."""
+    size = r"([\d.]+)\s*([KMGT]?)i?B?"
+    patterns = [  # the phrasings libtpu 0.0.42 and 0.0.21 use
+        (rf"required for [^(]*\({size}\) exceeds available HBM \({size}\)", 0, 2),
+        (rf"Used {size} of {size} hbm", 0, 2),
+        (r"Allocation \(size=(\d+)\)() would exceed memory \(size=(\d+)\)()", 0, 2),
+    ]
+    for pattern, need_at, have_at in patterns:
+        m = re.search(pattern, message)
+        if m:
+            g = m.groups()
+            return _bytes(g[need_at], g[need_at + 1]), _bytes(g[have_at], g[have_at + 1])
+    return None, None
+
+
+def is_memory_refusal(message: str) -> bool:
+    """True when the compiler refused for lack of HBM (not for another reason)."""
+    return "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message or "exceed memory" in message
+
+
+def handle(request: dict) -> dict:
+    """Serve one request: ``{"op": "compile", ...}`` -> the compiler's figures or its refusal."""
+    from . import _jax
+
+    if request.get("op") == "versions":
+        return {"versions": _jax.check()}
+    devs = _jax.devices(request["topology"], request["host_bounds"], request["devices"])
+    start = time.perf_counter()
+    try:
+        stats = _jax.compile_hlo(request["hlo"], devs, num_partitions=request["num_partitions"],
+                                 aliases=request.get("aliases", ()), shard_over=request.get("shard_over", 1))
+    except Exception as exc:  # the compiler's refusal is the answer, not a failure of the worker
+        message = str(exc).strip()
+        need, have = memory_figures(message)
+        return {"error": message, "memory": is_memory_refusal(message), "required_bytes": need,
+                "limit_bytes": have, "compile_s": time.perf_counter() - start}
+    stats["compile_s"] = time.perf_counter() - start
+    return stats
+
+
+def _read(stream: BinaryIO) -> dict | None:
+    head = stream.read(4)
+    if len(head) < 4:
+        return None
+    (n,) = struct.unpack(">I", head)
+    return pickle.loads(stream.read(n))
+
+
+def _write(stream: BinaryIO, reply: dict) -> None:
+    data = pickle.dumps(reply, protocol=4)
+    stream.write(struct.pack(">I", len(data)) + data)
+    stream.flush()
+
+
+def main() -> None:
+    """Serve requests until stdin closes. stdout is the protocol's alone: fd 1 is pointed at stderr."""
+    out = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    inp = sys.stdin.buffer
+    while True:
+        request = _read(inp)
+        if request is None:
+            return
+        try:
+            reply = handle(request)
+        except ImportError as exc:
+            reply = {"fatal": str(exc), "missing": True}
+        except Exception as exc:  # a bad topology or a broken install: say so, keep serving
+            reply = {"fatal": f"{type(exc).__name__}: {exc}"}
+        _write(out, reply)

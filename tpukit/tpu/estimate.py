@@ -1,0 +1,222 @@
+"""``tpukit.estimate``: will this step fit on the target TPU, how long does it compile, how fast can it be.
+
+The step is traced lazily on the XLA device and never run (:mod:`.trace`); its
+graph is compiled for the target by libtpu's TPU compiler in the worker
+process (:mod:`.worker`); the compiler's answer becomes a :class:`TpuEstimate`.
+When it does not fit, the kit compiles again to say what would: a smaller
+batch, bf16 autocast, FSDP over the slice's chips, gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from . import worker
+from .record import Suggestion, TpuEstimate, from_reply, gb
+from .targets import TARGETS, Target, default_target, target as _target
+from .trace import Traced, trace
+
+
+def _resolve(target: str | Target | None) -> Target:
+    if target is None:
+        found = default_target()
+        if found is None:
+            raise ValueError("no TPU target: pass target= (e.g. target='v5e-1') or set TPUKIT_TARGET "
+                             f"(tpukit.setup(target=...)). Known targets: {', '.join(TARGETS)}.")
+        return found
+    return _target(target)
+
+
+def _compile(traced: Traced, tgt: Target, name: str, shard_over: int = 1) -> TpuEstimate:
+    parts = traced.num_partitions
+    if parts > 1 and parts != tgt.chips:
+        raise ValueError(f"the step is partitioned over {parts} devices (SPMD) but {tgt.name} has {tgt.chips} "
+                         f"chips: build the mesh over {tgt.chips} devices, or pick a {parts}-chip target.")
+    reply = worker.compile(worker.Request(traced.hlo, tgt, parts, traced.aliases, shard_over))
+    return from_reply(reply, tgt, name)
+
+
+def _name(step: Callable) -> str:
+    return getattr(step, "__qualname__", None) or type(step).__name__
+
+
+def _batch_rows(args: tuple, kwargs: dict) -> int | None:
+    """The leading size the step's tensor arguments share (the batch), when they share one."""
+    import torch
+
+    sizes = set()
+    stack = list(args) + list(kwargs.values())
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor) and x.dim() >= 1:
+            sizes.add(int(x.shape[0]))
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _first_rows(x: Any, n: int) -> Any:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x[:n] if x.dim() >= 1 else x
+    if isinstance(x, dict):
+        return type(x)({k: _first_rows(v, n) for k, v in x.items()})
+    if isinstance(x, (list, tuple)):
+        return type(x)(_first_rows(v, n) for v in x)
+    return x
+
+
+def _suggest(step: Callable, args: tuple, kwargs: dict, tgt: Target, traced: Traced,
+             name: str) -> tuple[Suggestion, ...]:
+    """Compile the step again with each change and say the per-chip HBM it gives."""
+    import torch
+
+    out: list[Suggestion] = []
+    rows = _batch_rows(args, kwargs)
+    if rows and rows > 1:
+        fit = _search(lambda b: trace(step, _first_rows(args, b), _first_rows(kwargs, b)), tgt, name,
+                      below=rows, steps=4)
+        if fit is not None:
+            b, est = fit
+            out.append(Suggestion(f"batch {b}", f"the largest batch that fits (of {rows})", est.hbm_bytes, True))
+            k = math.ceil(rows / b)
+            out.append(Suggestion(f"accumulate {k} x {b}", f"gradient accumulation: {k} micro-batches of {b} "
+                                  f"rows, one optimizer step (about the HBM of batch {b})", est.hbm_bytes, True))
+    try:
+        with torch.autocast("xla", dtype=torch.bfloat16):
+            bf = _compile(trace(step, args, kwargs), tgt, name)
+        out.append(Suggestion("bf16 autocast", "torch.autocast('xla', dtype=torch.bfloat16) around the forward, "
+                              "or model.to(torch.bfloat16)", bf.hbm_bytes if bf.hbm_bytes else None, bf.fits))
+    except Exception as exc:  # autocast may not apply to this step: say so rather than fail the estimate
+        out.append(Suggestion("bf16 autocast", f"could not be estimated ({type(exc).__name__})"))
+    if traced.num_partitions == 1:
+        wide = tgt if tgt.chips > 1 else TARGETS.get(f"{tgt.chip.name}-8", tgt)
+        if wide.chips > 1:
+            est = from_reply(worker.compile(worker.Request(traced.hlo, wide, 1, traced.aliases, wide.chips)),
+                             wide, name)
+            out.append(Suggestion(f"FSDP over {wide.chips} chips", f"tpukit.fsdp(model, tpukit.mesh()) on {wide.name}",
+                                  est.hbm_bytes or None, est.fits))
+    return tuple(out)
+
+
+def estimate(step: Callable, *args: Any, target: str | Target | None = None, suggest: bool = True,
+             **kwargs: Any) -> TpuEstimate:
+    """Compile ``step(*args, **kwargs)`` for a TPU with the real TPU compiler, without running it here.
+
+    The step is traced lazily on the XLA device (model and batch already there),
+    its graph (everything it updates and returns) is compiled for ``target``
+    (e.g. ``"v5e-1"``; default ``TPUKIT_TARGET``) in the TPU compiler's worker
+    process, and the model, optimizer state, gradients, LR schedulers and random
+    seeds are put back exactly as they were: the update is discarded. Buffer
+    donation is carried (``aliased_bytes``); under SPMD the graph is compiled for
+    the target's chips with the tensors' shardings. When it does not fit,
+    ``suggestions`` says what would, each compiled again (``suggest=False`` skips
+    them). The step must not sync (no ``torch_xla.sync()``/``.item()`` inside).
+    """
+    tgt = _resolve(target)
+    worker.require()
+    name = _name(step)
+    traced = trace(step, args, kwargs)
+    est = _compile(traced, tgt, name)
+    if not est.fits and suggest:
+        est = replace(est, suggestions=_suggest(step, args, kwargs, tgt, traced, name))
+    return est
+
+
+@dataclass(frozen=True)
+class BatchFit:
+    """The largest batch that fits on a target, its estimate, and every batch size tried (size, fits)."""
+
+    target: str
+    batch: int  # 0 when not even the smallest batch fits
+    estimate: TpuEstimate | None
+    tried: tuple[tuple[int, bool], ...]
+
+    def __str__(self) -> str:
+        if not self.batch:
+            return f"{self.target}: no batch fits (tried {', '.join(str(b) for b, _ in self.tried)})"
+        e = self.estimate
+        return (f"{self.target}: batch {self.batch} fits ({gb(e.hbm_bytes)} of {gb(e.hbm_limit_bytes)} per chip, "
+                f"step at best {e.step_s_min * 1e3:.1f} ms); {len(self.tried)} compiles")
+
+
+def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | None = None,
+            start: int = 1, limit: int = 4096, steps: int = 3, tried: list | None = None):
+    """(largest fitting batch, its estimate) by doubling from ``start`` then bisecting; None if none fits."""
+    tried = [] if tried is None else tried
+    top = below - 1 if below else limit
+
+    def fits(b: int) -> TpuEstimate | None:
+        est = _compile(make(b), tgt, name)
+        tried.append((b, est.fits))
+        return est if est.fits else None
+
+    if below:  # halve down from the refused size, then bisect upward
+        hi, b = below, max(1, below // 2)
+        while True:
+            est = fits(b)
+            if est is not None:
+                break
+            if b == 1:
+                return None
+            hi, b = b, max(1, b // 2)
+    else:
+        b, est, hi = start, None, None
+        while b <= top:
+            got = fits(b)
+            if got is None:
+                hi = b
+                break
+            est = got
+            b *= 2
+        if est is None:
+            return None
+        b //= 2  # the last size that fitted
+        if hi is None:
+            return b, est
+    lo = b
+    for _ in range(steps):
+        mid = (lo + hi) // 2
+        mid -= mid % 8 if mid > 8 else 0
+        if mid <= lo or mid >= hi:
+            break
+        got = fits(mid)
+        if got is not None:
+            lo, est = mid, got
+        else:
+            hi = mid
+    return lo, est
+
+
+def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str | Target | None = None, *,
+                  start: int = 1, limit: int = 4096, bisect: int = 3) -> BatchFit:
+    """The largest batch size at which ``step(make_batch(b))`` fits on ``target``, by a few TPU compiles.
+
+    ``make_batch(b)`` returns the step's arguments for a batch of ``b`` rows (a
+    tuple is unpacked, a dict passed as keywords, anything else as the one
+    argument), on the XLA device. Sizes double from ``start`` up to ``limit``
+    until the compiler refuses, then ``bisect`` compiles narrow the gap (to
+    multiples of 8). Every compile is cached, so asking again is instant.
+    """
+    tgt = _resolve(target)
+    worker.require()
+    name = _name(step)
+
+    def make(b: int) -> Traced:
+        batch = make_batch(b)
+        if isinstance(batch, tuple):
+            return trace(step, batch, {})
+        if isinstance(batch, dict):
+            return trace(step, (), batch)
+        return trace(step, (batch,), {})
+
+    tried: list[tuple[int, bool]] = []
+    found = _search(make, tgt, name, start=start, limit=limit, steps=bisect, tried=tried)
+    if found is None:
+        return BatchFit(tgt.name, 0, None, tuple(tried))
+    return BatchFit(tgt.name, found[0], found[1], tuple(tried))

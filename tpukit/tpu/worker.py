@@ -1,0 +1,231 @@
+"""The parent's side of the TPU compiler's worker process, and the cache of its answers.
+
+libtpu never loads into the process that runs torch_xla: one worker process
+per Python process holds jax's compile-only TPU client and answers one request
+at a time (:mod:`tpukit.tpu._serve`). It starts on first use, is restarted if
+it dies, and stops when this process exits. Answers are cached by
+sha256(HLO bytes) + target + compile settings + jax/jaxlib/libtpu versions, in
+memory and on disk under ``~/.cache/tpukit/tpu`` (``TPUKIT_TPU_CACHE``
+overrides), so the same graph is compiled for a target once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import importlib.metadata as md
+import importlib.util
+import json
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import TpukitError
+from .targets import Target
+
+log = logging.getLogger("tpukit")
+
+INSTALL = 'pip install "tpukit[tpu-estimate]"  (or: pip install "jax[tpu]")'
+_BOOT = (  # a bare tpukit.tpu package: the worker runs _serve and _jax, not tpukit's __init__
+    "import sys, types\n"
+    "for name, path in (('tpukit', {root!r}), ('tpukit.tpu', {here!r})):\n"
+    "    m = types.ModuleType(name); m.__path__ = [path]; sys.modules[name] = m\n"
+    "from tpukit.tpu import _serve\n"
+    "_serve.main()\n"
+)
+
+
+class TpuCompilerMissingError(TpukitError, ImportError):
+    """The TPU compiler (jax with libtpu) is not installed; the message has the install line."""
+
+
+class WorkerError(TpukitError):
+    """The TPU compiler's worker process could not start or died."""
+
+
+def versions() -> dict[str, str]:
+    """jax, jaxlib and libtpu versions installed here, read from package metadata (imports nothing)."""
+    out = {}
+    for dist in ("jax", "jaxlib", "libtpu"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            out[dist] = ""
+    return out
+
+
+def available() -> bool:
+    """True when jax and libtpu are installed (without importing them)."""
+    v = versions()
+    return bool(v["jaxlib"] and v["libtpu"]) and importlib.util.find_spec("jax") is not None
+
+
+def require() -> dict[str, str]:
+    """The versions, or :class:`TpuCompilerMissingError` with the install line."""
+    if not available():
+        v = versions()
+        missing = [d for d in ("jax", "jaxlib", "libtpu") if not v[d]] or ["jax"]
+        raise TpuCompilerMissingError(
+            f"tpukit's TPU estimates need the TPU compiler ({', '.join(missing)} not installed). "
+            f"Install it with: {INSTALL}")
+    return versions()
+
+
+@dataclass(frozen=True)
+class Request:
+    """One compile for the worker: an HLO module, the slice to compile it for, donation and layout."""
+
+    hlo: bytes
+    target: Target
+    num_partitions: int = 1
+    aliases: tuple[tuple[int, int], ...] = ()
+    shard_over: int = 1  # impose an FSDP layout over this many chips (1: the module's own shardings)
+
+    def key(self) -> str:
+        """The cache key: the graph, the compile settings and the compiler's versions."""
+        h = hashlib.sha256(self.hlo)
+        settings = [self.target.topology, self.target.host_bounds, self.devices, self.num_partitions,
+                    self.aliases, self.shard_over, sorted(versions().items())]
+        h.update(json.dumps(settings, default=list).encode())
+        return h.hexdigest()
+
+    @property
+    def devices(self) -> int:
+        return max(self.num_partitions, self.shard_over)
+
+    def message(self) -> dict:
+        t = self.target
+        return {"op": "compile", "hlo": self.hlo, "topology": t.topology, "host_bounds": t.host_bounds,
+                "devices": self.devices, "num_partitions": self.devices, "aliases": self.aliases,
+                "shard_over": self.shard_over}
+
+
+class _Process:
+    """The worker process; ``call`` sends one request and waits for its reply (one at a time)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.proc: subprocess.Popen | None = None
+
+    def _start(self) -> subprocess.Popen:
+        here = str(Path(__file__).resolve().parent)
+        root = str(Path(here).parent)
+        env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
+        env.pop("PJRT_DEVICE", None)
+        logdir = cache_dir()
+        logdir.mkdir(parents=True, exist_ok=True)
+        with open(logdir / "worker.log", "ab") as err:
+            return subprocess.Popen([sys.executable, "-c", _BOOT.format(root=root, here=here)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
+
+    def call(self, message: dict) -> dict:
+        with self.lock:
+            for attempt in (1, 2):
+                if self.proc is None or self.proc.poll() is not None:
+                    self.proc = self._start()
+                try:
+                    data = pickle.dumps(message, protocol=4)
+                    self.proc.stdin.write(struct.pack(">I", len(data)) + data)
+                    self.proc.stdin.flush()
+                    head = self.proc.stdout.read(4)
+                    if len(head) == 4:
+                        return pickle.loads(self.proc.stdout.read(struct.unpack(">I", head)[0]))
+                except (BrokenPipeError, OSError):
+                    pass
+                code = self.proc.wait()
+                self.proc = None
+                log.warning("tpukit: the TPU compiler's worker exited (code %s), attempt %d", code, attempt)
+            raise WorkerError(f"the TPU compiler's worker process died twice (exit code {code}); "
+                              f"its log is {cache_dir() / 'worker.log'}.")
+
+    def stop(self) -> None:
+        with self.lock:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.stdin.close()
+                try:
+                    self.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+            self.proc = None
+
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+
+_PROCESS = _Process()
+atexit.register(_PROCESS.stop)
+_MEMORY: dict[str, dict] = {}
+_STATS = {"hits": 0, "misses": 0}
+_STATS_LOCK = threading.Lock()
+
+
+def cache_dir() -> Path:
+    """Where answers are kept on disk: ``TPUKIT_TPU_CACHE`` or ``~/.cache/tpukit/tpu``."""
+    return Path(os.environ.get("TPUKIT_TPU_CACHE") or Path.home() / ".cache" / "tpukit" / "tpu")
+
+
+def cache_info() -> dict[str, int]:
+    """Answers served from the cache (``hits``) and compiled by the worker (``misses``) in this process."""
+    with _STATS_LOCK:
+        return dict(_STATS)
+
+
+def worker_pid() -> int | None:
+    """The worker process's id while it runs (None before the first compile or after it stopped)."""
+    return _PROCESS.pid()
+
+
+def stop() -> None:
+    """Stop the worker process (the next compile starts a new one)."""
+    _PROCESS.stop()
+
+
+def compile(request: Request) -> dict:
+    """The compiler's answer for ``request``: its figures, or ``{"error": ..., "memory": bool, ...}``.
+
+    Served from the cache when this graph was compiled for this target before. Raises
+    :class:`TpuCompilerMissingError` without the extra, :class:`WorkerError` if the worker cannot run.
+    """
+    require()
+    key = request.key()
+    path = cache_dir() / key[:2] / f"{key}.json"
+    reply = _MEMORY.get(key)
+    if reply is None and path.exists():
+        try:
+            reply = json.loads(path.read_text())
+        except (OSError, ValueError):
+            reply = None
+    if reply is not None:
+        with _STATS_LOCK:
+            _STATS["hits"] += 1
+        _MEMORY[key] = reply
+        return dict(reply)
+    reply = _PROCESS.call(request.message())
+    if "fatal" in reply:
+        if reply.get("missing"):
+            raise TpuCompilerMissingError(f"{reply['fatal']}")
+        raise WorkerError(f"the TPU compiler's worker failed: {reply['fatal']}")
+    with _STATS_LOCK:
+        _STATS["misses"] += 1
+    _MEMORY[key] = reply
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(reply))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("tpukit: could not write the TPU estimate cache %s: %s", path, exc)
+    return dict(reply)
+
+
+def probe(target: Target) -> Any:
+    """Start the worker and load the target's topology (the versions the worker sees)."""
+    require()
+    return _PROCESS.call({"op": "versions"})
