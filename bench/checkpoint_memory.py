@@ -42,7 +42,7 @@ and check that the file reads back equal to the state.
 Two held-out states are measured the same way (no phase runs): ``8x64MiB``
 (8 float32 tensors of 64 MiB, 0.5 GiB: the largest tensor is an eighth of the
 state) and ``1x1GiB`` (one float32 tensor of 1 GiB: the largest tensor is the
-state). tpukit copies device tensors larger than its chunk size (16 MiB by
+state). tpukit copies device tensors larger than its chunk size (4 MiB by
 default) to the host a chunk at a time, so its peak stays near a few chunks for
 both. ``--states`` picks which states to run (default: all three).
 

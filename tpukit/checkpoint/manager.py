@@ -30,7 +30,7 @@ from .format import (
 )
 from .payload import check_state
 from .rng import RNG_KEY, rng_state, set_rng_state
-from .sharded import SHARDED, has_sharded_tensors, saved_keys
+from .sharded import SHARDED, has_sharded_tensors, process_group, saved_keys
 from .saveload import collective, commit, is_master, newest_valid, sync_state, to_cpu
 
 log = logging.getLogger("tpukit")
@@ -130,7 +130,8 @@ class CheckpointManager:
         self.wait()
         if not master and not collective(fmt):
             return True
-        if master:
+        group = process_group()
+        if master and (group is None or group.get_rank() == 0):  # one lock per saving group: its coordinator's
             self._lock.acquire()
         newer = [s for s in self.all_steps() if s > step]
         if newer:

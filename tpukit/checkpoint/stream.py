@@ -19,8 +19,8 @@ tensors read back, the tensors hashed from memory), so the 1 GB state is not rea
 back to be hashed. Tensors that are one object, one XLA tensor or one CPU view are
 written once, so tied weights stay tied. Each tensor comes to the host in pieces
 of at most ``copy_chunk`` bytes (``chunks``); the next piece is copied from the
-device while one is written, so the extra host memory of a save stays near four
-chunks, not a multiple of its largest tensor. Write errors are the real ``OSError``.
+device while one is written, so the extra host memory of a save is a small
+multiple of the chunk size, not of its largest tensor. Write errors are the real ``OSError``.
 """
 
 from __future__ import annotations
