@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import warnings
 import zipfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -111,22 +112,28 @@ def test_saving_an_older_step_keeps_every_newer_checkpoint_and_says_so(tmp_path)
 
 # --------------------------------------------------------------------------- one manager per directory
 
-def test_a_second_manager_of_the_same_process_is_refused_until_the_first_is_closed(tmp_path):
-    first = ck.CheckpointManager(tmp_path, keep=1, rng=False)
+def test_a_newer_manager_of_the_same_process_takes_over_and_the_older_one_is_refused(tmp_path):
+    first = ck.CheckpointManager(tmp_path, keep=2, rng=False)
     first.save(1, w=torch.ones(2))
-    second = ck.CheckpointManager(tmp_path, keep=1, rng=False)
-    assert second.latest()["step"] == 1  # reading is fine
-    with pytest.raises(CheckpointError, match=r"Another CheckpointManager of this process already saves into "
-                                              r".*keep using that one, or call its close\(\)"):
+    second = ck.CheckpointManager(tmp_path, keep=2, rng=False)  # e.g. a re-run cell; the first is still alive
+    assert second.latest()["step"] == 1  # reading needs no lock
+    with pytest.warns(TpukitWarning, match=r"took .* over from another manager of this process, created earlier: "
+                                           r"that one can no longer save into it .*give each its own directory"):
         second.save(2, w=torch.zeros(2))
-    assert first.all_steps() == [1]  # keep=1 on the second one deleted nothing of the first's
-    first.save(3, w=torch.ones(2))  # the first one still owns the directory
-    first.close()
-    assert second.save(4, w=torch.zeros(2)) and second.all_steps() == [4]
-    del second
-    gc.collect()  # a collected manager gives its lock up
-    third = ck.CheckpointManager(tmp_path, keep=2, rng=False)
-    assert third.save(5, w=torch.zeros(2)) and third.all_steps() == [4, 5]
+    with pytest.raises(CheckpointError, match=r"A newer CheckpointManager of this process took .* over, so this one "
+                                              r"no longer saves there .*Save with the newer one"):
+        first.save(3, w=torch.ones(2))
+    assert second.all_steps() == [1, 2]  # the refused save wrote and pruned nothing
+    del first
+    gc.collect()  # the older one's finalizer must not remove the newer one's lock
+    second.save(4, w=torch.zeros(2))
+    assert second.all_steps() == [2, 4]
+    second.close()  # closed: a manager of another process could now take the directory
+    third = ck.CheckpointManager(tmp_path, keep=3, rng=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TpukitWarning)  # nothing to take over: no warning
+        third.save(5, w=torch.zeros(2))
+    assert third.all_steps() == [2, 4, 5]
     third.close()
 
 

@@ -11,7 +11,8 @@ size, and the next piece is copied while one is written: a few chunks are live
 at once (on XLA:CPU, where the device's memory is host memory too, the selected
 row counts as well). Measured on XLA:CPU, the resident memory a save adds,
 allocator retention included, is about twelve chunks (48 MiB at the default 4
-MiB), whatever the size of the largest tensor; 16 MiB chunks added 165 MiB. Tensors at or under the chunk size, CPU tensors and SPMD-sharded tensors
+MiB), whatever the size of the largest tensor; 16 MiB chunks added 165 MiB.
+Tensors at or under the chunk size, CPU tensors and SPMD-sharded tensors
 (gathered whole, as before) are copied in one piece.
 """
 

@@ -7,7 +7,11 @@ collected or its process exits. The lock is a small file (``host pid token``)
 under the temporary directory (``<tmp>/tpukit-<uid>/checkpoint-locks/``), named
 by a hash of the directory's real path, so the checkpoint directory holds only
 checkpoints. It guards the processes of one machine, which is where a second
-notebook or a forgotten script runs; a lock whose process is gone is taken over.
+notebook or a forgotten script runs: another live process's manager is refused, a
+lock whose process is gone is taken over. Within one process the newest manager
+takes the directory over (re-running a notebook cell, or restarting after an
+exception whose traceback still holds the old manager, must just work) and the
+older one is refused from then on.
 """
 
 from __future__ import annotations
@@ -44,20 +48,35 @@ class DirectoryLock:
         self.owner = f"{socket.gethostname()} {os.getpid()} {secrets.token_hex(8)}"
         self.held = False
 
-    def acquire(self) -> None:
-        """Take the lock (or keep it); raise CheckpointError naming the owner when another manager holds it."""
+    def acquire(self) -> bool:
+        """Take the lock, or check it is still ours; True when it was taken over from another manager of this process.
+
+        Raises CheckpointError naming the owner when a live manager of another
+        process holds it, or when a newer manager of this process took it over.
+        """
         if self.held:
-            return
+            if self._owner_line() != self.owner:
+                self.held = False
+                raise CheckpointError(
+                    f"A newer CheckpointManager of this process took {self.directory} over, so this one no longer "
+                    "saves there (two managers on one directory prune each other's checkpoints). Save with the "
+                    "newer one, or give each manager its own directory."
+                )
+            return False
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):  # a lost race with another taker: look again
             if self._create():
                 self.held = True
-                return
+                return False
             holder = self._holder()
             if holder is None:
                 continue  # released meanwhile
             host, pid = holder
-            if host == socket.gethostname() and pid != os.getpid() and not environment.pid_alive(pid):
+            if host == socket.gethostname() and pid == os.getpid():
+                self._write(replace=True)  # the newest manager of this process wins; the older one is refused
+                self.held = True
+                return True
+            if host == socket.gethostname() and not environment.pid_alive(pid):
                 self._take_over_stale(pid)
                 continue
             raise CheckpointError(self._refusal(host, pid))
@@ -68,15 +87,28 @@ class DirectoryLock:
         if self.held:
             self.held = False
             with contextlib.suppress(OSError):
-                if self.path.read_text() == self.owner:
+                if self._owner_line() == self.owner:
                     os.unlink(self.path)
 
+    def _owner_line(self) -> str | None:
+        try:
+            return self.path.read_text()
+        except OSError:
+            return None
+
     def _create(self) -> bool:
-        """Create the lock file with our owner line atomically (written whole, then linked); False if it exists."""
+        """Create the lock file with our owner line atomically; False if it exists."""
+        return self._write(replace=False)
+
+    def _write(self, replace: bool) -> bool:
+        """Write our owner line whole to a temp file, then link it into place (or replace what is there)."""
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}")
         tmp.write_text(self.owner)
         try:
-            os.link(tmp, self.path)
+            if replace:
+                os.replace(tmp, self.path)
+            else:
+                os.link(tmp, self.path)
             return True
         except FileExistsError:
             return False
@@ -102,12 +134,6 @@ class DirectoryLock:
             log.info("took over the checkpoint lock of %s from process %d, which is gone", self.directory, pid)
 
     def _refusal(self, host: str, pid: int) -> str:
-        if host == socket.gethostname() and pid == os.getpid():
-            return (
-                f"Another CheckpointManager of this process already saves into {self.directory}. Two managers on "
-                "one directory overwrite and prune each other's checkpoints: keep using that one, or call its "
-                "close() (or delete it) before saving with a new one."
-            )
         where = "this machine" if host == socket.gethostname() else f"host {host}"
         return (
             f"{self.directory} is in use: process {pid} on {where} has a CheckpointManager saving into it "

@@ -40,8 +40,8 @@ class CheckpointManager:
     """Numbered checkpoints in one directory: save every N steps, keep the newest K, resume.
 
     Files are ``ckpt-00000005.pt`` (or ``.safetensors``) plus ``ckpt-00000005.json``.
-    A synchronous save writes tensor by tensor (extra host memory near the largest
-    tensor). With ``async_save=True`` a CPU copy of the whole state is taken during
+    A synchronous save writes tensor by tensor, device tensors a chunk at a time
+    (extra host memory: a few ``copy_chunk`` pieces). With ``async_save=True`` a CPU copy of the whole state is taken during
     ``save`` and the disk write runs in a background thread (at most one pending,
     so up to two CPU copies exist at once); its errors surface on the next call or
     on ``wait()``.
@@ -57,10 +57,11 @@ class CheckpointManager:
     synchronous even with ``async_save`` (shards go from the devices to disk).
 
     Rules: one manager saves into a directory at a time. The first ``save`` takes
-    the directory's lock (``lock``); another manager, in this process or another
-    one on the machine, is refused with the owner's pid until this one is closed
-    (``close()``), collected or its process ends; a lock left by a process that is
-    gone is taken over. A pending asynchronous save still finishes when the script
+    the directory's lock (``lock``): a manager of another process on the machine is
+    refused with the owner's pid until this one is closed (``close()``), collected
+    or its process ends, and a lock left by a process that is gone is taken over;
+    a newer manager of this process takes the directory over with a warning, and
+    this one's next save raises. A pending asynchronous save still finishes when the script
     ends without ``wait()`` (its thread is joined at exit, and a failure is
     reported then as a TpukitWarning); call ``wait()`` before another process reads
     the directory, and before ``os._exit``. Rotation (``keep``) never deletes a
@@ -132,7 +133,13 @@ class CheckpointManager:
             return True
         group = process_group()
         if master and (group is None or group.get_rank() == 0):  # one lock per saving group: its coordinator's
-            self._lock.acquire()
+            if self._lock.acquire():
+                warnings.warn(
+                    f"This CheckpointManager took {self.directory} over from another manager of this process, "
+                    "created earlier: that one can no longer save into it (its next save raises). Two managers "
+                    "saving into one directory prune each other's checkpoints; give each its own directory.",
+                    TpukitWarning, stacklevel=2,
+                )
         newer = [s for s in self.all_steps() if s > step]
         if newer:
             warnings.warn(

@@ -204,8 +204,9 @@ def save(
     """Save ``state`` (nested dicts/lists/tuples of tensors and plain values) atomically to ``path``.
 
     Syncs pending XLA work, then writes the payload tensor by tensor (each copied
-    to the host in turn, so the extra host memory stays near the largest tensor;
-    SPMD-sharded ones whole) and then its manifest (``path`` with a ``.json``
+    to the host in turn, a device tensor larger than ``copy_chunk`` a piece at a
+    time, so the extra host memory stays near a few chunks; SPMD-sharded ones
+    whole) and then its manifest (``path`` with a ``.json``
     suffix), from the master replica only. ``weights_format`` is "torch" (default),
     "safetensors" (no pickle; the default when ``path`` ends in ``.safetensors``) or
     "dcp" (the default when ``path`` ends in ``.dcp``): a sharded checkpoint

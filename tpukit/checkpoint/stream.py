@@ -1,4 +1,4 @@
-"""Payloads written tensor by tensor, so a save holds one tensor in host memory, not the state.
+"""Payloads written tensor by tensor, so a save holds a piece of one tensor in host memory, not the state.
 
 Both formats are laid out first and filled in after:
 
