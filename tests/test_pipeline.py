@@ -295,3 +295,33 @@ def test_with_a_target_every_graph_is_compiled_for_it_in_the_background():
     cell = out["cell"]
     assert "%%xla --target v5e-8: each graph compiled by the TPU compiler" in cell, cell
     assert "v5e-8: fits" in cell and "HBM per chip" in cell, cell
+
+
+def test_a_process_removes_its_trace_and_dump_and_sweeps_those_of_dead_ones(tmp_path):
+    """Every process that calls setup() removes its trace file and HLO dump folder when it ends; one
+    that was killed cannot, so the next setup() removes what it left."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import run_python
+
+    code = ("import os, sys, tpukit\n"
+            "rt = tpukit.setup(device='cpu')\n"
+            "import torch\n"
+            "(torch.ones(3, device='xla') * 2).sum().item()\n"
+            "print('TRACE', rt.trace_file, flush=True)\n"
+            "if len(sys.argv) > 1: os.kill(os.getpid(), 9)\n")
+    done = run_python(code, env={"PJRT_DEVICE": "CPU"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    trace = done.stdout.split("TRACE ", 1)[1].split()[0]
+    assert "compiles-" in trace and not os.path.exists(trace) and not os.path.exists(trace + ".hlo")
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PT_XLA_DEBUG", "CPU_NUM_DEVICES", "XLA_"))}
+    killed = subprocess.run([sys.executable, "-c", code, "kill"], capture_output=True, text=True, env=env)
+    assert killed.returncode == -signal.SIGKILL
+    left = killed.stdout.split("TRACE ", 1)[1].split()[0]
+    assert os.path.exists(left)  # a killed process leaves its files ...
+    again = run_python(code, env={"PJRT_DEVICE": "CPU"})
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert not os.path.exists(left) and not os.path.exists(left + ".hlo")  # ... the next setup() sweeps them
