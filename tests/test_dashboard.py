@@ -295,6 +295,28 @@ def test_text_mode_in_a_terminal_reports_a_long_compile_from_the_thread(rt, open
     assert "tpukit: done · no steps yet" in capsys.readouterr().out
 
 
+def test_compiling_now_comes_from_the_events_and_the_threads_never_ask_the_reader(rt, opened, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the dashboard asked the compile reader")
+
+    d = Dashboard(mode="widgets", show=False)
+    t = Dashboard(mode="text", show=False, text_every=0.0)
+    opened += [d, t]
+    for name in ("reader", "compiling_now", "tracing_enabled", "settled", "mark"):
+        monkeypatch.setattr(compiles, name, forbidden)  # what the dashboards' threads must never call
+    started = event(10_000, kind="compile", start=time.time() - 3.0, end=None)
+    events.call("on_compile", started)  # as the reader publishes it when the compile starts
+    time.sleep(1.2)  # a few periods of both threads
+    assert "compiling step graph at cell [7] line 5" in d.values()["now"]
+    assert t.view().now_kind == "compiling"
+    events.call("on_compile", dataclasses.replace(started, end=time.time(), kind="new graph",
+                                                   evidence=("first graph here",)))  # its finished version
+    events.call("on_compile", started)  # a late duplicate of the start cannot make it compile again
+    d.refresh()
+    assert "compiling" not in d.values()["now"] and d.view().new_graphs == 1 and t.view().now_kind == "idle"
+    assert not d.disabled and not t.disabled and d.running and t.running
+
+
 def test_refreshes_are_throttled_to_two_per_second(rt, opened):
     d = Dashboard(mode="widgets", show=False, refresh_hz=2)
     opened.append(d)
