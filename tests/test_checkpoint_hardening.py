@@ -306,8 +306,9 @@ def _copies(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
 def test_large_device_tensors_come_to_the_host_a_chunk_at_a_time(tmp_path, dev, monkeypatch, suffix):
     g = torch.Generator().manual_seed(0)
-    cpu = {"big": torch.randn(1000, 917, generator=g),  # 3.5 MiB: 3 whole chunks of 1 MiB and a remainder
-           "odd": torch.randint(0, 100, (1 << 20,), generator=g).to(torch.int16),  # 2 MiB: exactly 2 chunks
+    cpu = {"big": torch.randn(1000, 2300, generator=g),  # 8.8 MiB: 8 chunks of 1 MiB and a remainder
+           "odd": torch.randint(0, 100, (9 << 19,), generator=g).to(torch.int16),  # 9 MiB: exactly 9 chunks
+           "mid": torch.randn(1000, 917, generator=g),  # 3.5 MiB: up to 8 chunks, copied whole (no graph)
            "small": torch.randn(7, generator=g), "empty": torch.zeros(0)}
     state = {k: v.to(dev) for k, v in cpu.items()}
     state["tied"] = state["big"]
@@ -315,7 +316,8 @@ def test_large_device_tensors_come_to_the_host_a_chunk_at_a_time(tmp_path, dev, 
     sizes = _copies(monkeypatch)
     manifest = ck.save(state, tmp_path / f"s{suffix}", copy_chunk=1 << 20)
     monkeypatch.undo()
-    assert max(sizes) <= 1 << 20 and sum(sizes) == sum(t.numel() * t.element_size() for t in cpu.values())
+    assert sizes.count(1 << 20) == 8 + 9 and max(sizes) == cpu["mid"].numel() * 4  # pieces, and one whole copy
+    assert sum(sizes) == sum(t.numel() * t.element_size() for t in cpu.values())
     data = (tmp_path / f"s{suffix}").read_bytes()
     assert (manifest.bytes, manifest.sha256) == (len(data), hashlib.sha256(data).hexdigest())
     if suffix == ".pt":
@@ -325,7 +327,7 @@ def test_large_device_tensors_come_to_the_host_a_chunk_at_a_time(tmp_path, dev, 
 
 
 def test_chunked_copies_compile_one_graph_per_shape_and_keep_the_random_stream(tmp_path, dev):
-    a, b = (torch.randn(600, 1000).to(dev) * 2 for _ in range(2))  # same shape, 2.3 MiB each
+    a, b = (torch.randn(1500, 1600).to(dev) * 2 for _ in range(2))  # same shape, 9.2 MiB each
     torch_xla.sync()
     compiles = lambda: met.metric_data("CompileTime")[0]  # noqa: E731
     before = compiles()
@@ -342,10 +344,10 @@ def test_chunked_copies_compile_one_graph_per_shape_and_keep_the_random_stream(t
 
 
 def test_the_memory_preflight_counts_chunks_not_the_largest_device_tensor(dev):
-    big = torch.zeros(1 << 20, device=dev)  # 4 MiB on the device
+    big = torch.zeros(10 << 18, device=dev)  # 10 MiB on the device
     total, peak = stream.payload_bytes({"x": big}, copy_chunk=1 << 20)
-    assert (total, peak) == (4 << 20, 4 << 20)  # four 1 MiB pieces in flight at most, not 3 x 4 MiB
-    assert stream.payload_bytes({"x": big}, copy_chunk=8 << 20) == (4 << 20, 12 << 20)  # not chunked: as before
+    assert (total, peak) == (10 << 20, 4 << 20)  # four 1 MiB pieces in flight at most, not 3 x 10 MiB
+    assert stream.payload_bytes({"x": big}, copy_chunk=4 << 20) == (10 << 20, 30 << 20)  # copied whole: as before
     assert chunks.peak_host_bytes([(100 << 20, False)], 1 << 20) == 100 << 20  # a CPU tensor is not copied
 
 

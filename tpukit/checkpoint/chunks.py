@@ -1,6 +1,7 @@
 """Tensors copied to the host in bounded pieces, so a save's extra host memory is set by a chunk size.
 
-A device tensor larger than the chunk size is not copied to the host whole:
+A device tensor larger than ``WHOLE_UP_TO`` chunks (32 MiB at the default 4
+MiB) is not copied to the host whole:
 its flattened data is viewed as rows of ``chunk`` bytes and one row at a time is
 selected on the device (``index_select`` with the row number as a device tensor,
 so every row of every tensor of that shape runs the same compiled graph: one
@@ -12,8 +13,12 @@ at once (on XLA:CPU, where the device's memory is host memory too, the selected
 row counts as well). Measured on XLA:CPU, the resident memory a save adds,
 allocator retention included, is about twelve chunks (48 MiB at the default 4
 MiB), whatever the size of the largest tensor; 16 MiB chunks added 165 MiB.
-Tensors at or under the chunk size, CPU tensors and SPMD-sharded tensors
-(gathered whole, as before) are copied in one piece.
+Smaller device tensors, CPU tensors and SPMD-sharded tensors (gathered whole, as
+before) are copied in one piece: a whole copy needs no graph, and each shape that
+is chunked costs one small compile at its first save (which tpukit's compile
+classifier, comparing graphs by place, reports as a recompilation when two large
+shapes are chunked in one save), so only tensors whose whole copy would cost
+more than ``WHOLE_UP_TO`` chunks are cut.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from .. import _xla
 
 COPY_CHUNK = 4 << 20  # default bytes per device-to-host copy of a large tensor
+WHOLE_UP_TO = 8  # a device tensor of at most this many chunks is copied whole
 MIN_CHUNK = 1 << 20  # smaller pieces would cost more in per-copy overhead than they save in memory
 
 
@@ -61,13 +67,13 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def chunked(t: torch.Tensor, chunk: int) -> bool:
-    """True when ``t`` is copied to the host in pieces: an unsharded device tensor larger than ``chunk``."""
-    return (_xla.is_xla_tensor(t) and t.numel() * t.element_size() > chunk
+    """True when ``t`` is copied to the host in pieces: an unsharded device tensor over ``WHOLE_UP_TO`` chunks."""
+    return (_xla.is_xla_tensor(t) and t.numel() * t.element_size() > WHOLE_UP_TO * chunk
             and not hasattr(t, "global_tensor") and not _xla.is_sharded(t))
 
 
 def pieces(t: torch.Tensor, chunk: int) -> Iterator[Piece]:
-    """The host copies that make up ``t``'s data, in order, each at most ``chunk`` bytes for a large device tensor."""
+    """The host copies that make up ``t``'s data, in order: ``chunk`` bytes each for a large device tensor."""
     size = t.element_size()
     total = t.numel() * size
     if not chunked(t, chunk):
@@ -101,9 +107,10 @@ def peak_host_bytes(sizes: list[tuple[int, bool]], chunk: int) -> int:
 
     A save holds the piece it writes while the next one is copied, and a device
     copy passes through a second buffer: about three times the largest device
-    piece (a selected row adds one more on XLA:CPU), once the largest CPU tensor.
+    tensor copied whole, four chunks for a chunked one (the selected row counts
+    on XLA:CPU), once the largest CPU tensor.
     """
-    device = [min(n, chunk) * (4 if n > chunk else 3) for n, on_device in sizes if on_device]
+    device = [4 * chunk if n > WHOLE_UP_TO * chunk else 3 * n for n, on_device in sizes if on_device]
     host = [n for n, on_device in sizes if not on_device]
     return max(device + host, default=0)
 
