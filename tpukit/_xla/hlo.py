@@ -3,9 +3,9 @@
 ``tpukit.estimate`` traces a step lazily, takes the graph that would compute the
 tensors it updates as an ``HloModuleProto`` (the bytes the TPU compiler reads),
 works out which of the graph's parameters are buffers the step updates in place
-(torch_xla donates those: the compiled program aliases them to its outputs), and
-then puts every tensor back to the data it held before. Nothing here executes a
-graph.
+(torch_xla donates those: the compiled program aliases them to its outputs). The
+step updates shadows (:func:`keep`) so the user's tensors are never touched.
+Nothing here executes a graph.
 """
 
 from __future__ import annotations
@@ -23,12 +23,6 @@ def hlo_module_proto(tensors: Sequence[Any]) -> bytes:
     return bytes(xlac()._get_xla_tensors_hlo_proto([getattr(t, "global_tensor", t) for t in tensors]))
 
 
-def data_handles(tensors: Sequence[Any]) -> list[int]:
-    """The device-buffer handle each XLA tensor holds (tensors with data, not pending IR)."""
-    tensors = [getattr(t, "global_tensor", t) for t in tensors]
-    return [int(h) for h in xlac()._get_tensors_handle(tensors)] if tensors else []
-
-
 def parameter_handles(tensors: Sequence[Any]) -> list[int]:
     """The buffer handle behind each parameter of :func:`hlo_module_proto` ``(tensors)``, in parameter order."""
     tensors = [getattr(t, "global_tensor", t) for t in tensors]
@@ -39,8 +33,3 @@ def parameter_handles(tensors: Sequence[Any]) -> list[int]:
 def keep(t: Any) -> Any:
     """A new XLA tensor holding ``t``'s present value (same buffer or same pending IR): no copy, no graph."""
     return getattr(t, "global_tensor", t).detach().clone()
-
-
-def restore(t: Any, kept: Any) -> None:
-    """Make XLA tensor ``t`` hold again what :func:`keep` kept (``t`` stays the same Python object)."""
-    xlac()._replace_xla_tensor(getattr(t, "global_tensor", t), kept)

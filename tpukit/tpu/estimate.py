@@ -80,7 +80,7 @@ def _suggest(step: Callable, args: tuple, kwargs: dict, tgt: Target, traced: Tra
     rows = _batch_rows(args, kwargs)
     if rows and rows > 1:
         fit = _search(lambda b: trace(step, _first_rows(args, b), _first_rows(kwargs, b)), tgt, name,
-                      below=rows, steps=4)
+                      below=rows, steps=2)
         if fit is not None:
             b, est = fit
             out.append(Suggestion(f"batch {b}", f"the largest batch that fits (of {rows})", est.hbm_bytes, True))
@@ -149,7 +149,7 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
             start: int = 1, limit: int = 4096, steps: int = 3, tried: list | None = None):
     """(largest fitting batch, its estimate) by doubling from ``start`` then bisecting; None if none fits."""
     tried = [] if tried is None else tried
-    top = below - 1 if below else limit
+    top = below - 1 if below else max(limit, start)
 
     def fits(b: int) -> TpuEstimate | None:
         est = _compile(make(b), tgt, name)
@@ -194,7 +194,7 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
 
 
 def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str | Target | None = None, *,
-                  start: int = 1, limit: int = 4096, bisect: int = 3) -> BatchFit:
+                  start: int = 1, limit: int = 1 << 20, bisect: int = 3) -> BatchFit:
     """The largest batch size at which ``step(make_batch(b))`` fits on ``target``, by a few TPU compiles.
 
     ``make_batch(b)`` returns the step's arguments for a batch of ``b`` rows (a

@@ -114,7 +114,11 @@ class _Saved:
         self.mods, self.opts, self.scheds = mods, opts, scheds
         self.tensors = _state_tensors(mods, opts)
         self.xla = [t for t in self.tensors if _xla.is_xla_tensor(t)]
-        self.kept = [_hlo.keep(t) for t in self.xla]
+        # The step updates shadows: each XLA tensor's data is swapped for a new tensor on the same buffer
+        # (no copy), and the untouched originals are swapped back afterwards.
+        self.kept = [t.data for t in self.xla]
+        for t in self.xla:
+            t.data = _hlo.keep(t)
         self.cpu = [(t, t.detach().clone()) for t in self.tensors if not _xla.is_xla_tensor(t)]
         params = {id(p): p for m in mods for p in m.parameters()}
         params.update({id(p): p for o in opts for g in o.param_groups for p in g["params"]})
@@ -126,16 +130,19 @@ class _Saved:
         self.training = [(m, m.training) for m in mods]
         self.torch_rng = torch.get_rng_state()
         self.xla_seed = _xla.rng_seed()
-        pending = _xla.has_pending(self.xla)
         # Buffers the step can donate: state tensors holding device data (not pending IR) before it.
-        live = [t for t, p in zip(self.xla, pending) if not p]
-        self.handles = dict(zip((id(t) for t in live), _hlo.data_handles(live)))
+        # (Asked through a graph's parameters, as the step's graph will be, of the shadow on that buffer.)
+        self.handles = {}
+        for t, p in zip(self.xla, _xla.has_pending(self.xla)):
+            found = [] if p else _hlo.parameter_handles([t])
+            if len(found) == 1:
+                self.handles[id(t)] = found[0]
 
     def restore(self) -> None:
         import torch
 
         for t, k in zip(self.xla, self.kept):
-            _hlo.restore(t, k)
+            t.data = k
         for t, c in self.cpu:
             with torch.no_grad():
                 t.copy_(c)
@@ -159,6 +166,9 @@ class _Saved:
 def trace(step: Callable, args: tuple, kwargs: dict) -> Traced:
     """Run ``step(*args, **kwargs)`` lazily, take the graph of what it updates and returns, undo it all."""
     mods, opts, scheds = _owners(step, args, kwargs)
+    # Launched executions must finish first: until then a tensor's buffer is a placeholder whose handle
+    # changes when it is filled, and donation is matched by handle. (Runs nothing new.)
+    _xla.wait_device_ops()
     saved = _Saved(mods, opts, scheds)
     try:
         out = step(*args, **kwargs)

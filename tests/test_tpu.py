@@ -1,0 +1,272 @@
+"""tpukit.estimate and tpukit.tpu: the real TPU compiler (libtpu, compile-only, in its worker process) on this CPU.
+
+No mocks: every estimate here is a step traced lazily on XLA:CPU and compiled
+for a TPU target by libtpu's TPU compiler, which runs on a machine without a
+TPU. The models are small so each compile takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+
+import pytest
+
+from conftest import run_python
+
+tpu = pytest.importorskip("tpukit.tpu")
+if not tpu.available():  # the dev extra installs it; a bare install says how
+    pytest.skip(f"the TPU compiler is not installed: pip install 'tpukit[tpu-estimate]'", allow_module_level=True)
+
+import torch  # noqa: E402
+
+import tpukit  # noqa: E402
+from tpukit import _xla  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    """One on-disk cache for this module's tests (not the user's ~/.cache)."""
+    monkeypatch.setenv("TPUKIT_TPU_CACHE", str(tmp_path_factory.getbasetemp() / "tpu-cache"))
+
+
+def mlp(dim=256, hidden=1024, dropout=0.0):
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(dim, hidden), torch.nn.ReLU()]
+    if dropout:
+        layers.append(torch.nn.Dropout(dropout))
+    return torch.nn.Sequential(*layers, torch.nn.Linear(hidden, dim)).to(_xla.device())
+
+
+def train_step(model, opt):
+    def step(x):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_unknown_target_lists_the_known_ones(rt):
+    with pytest.raises(tpu.TargetError, match="Known targets: v5e-1.*v5e-8.*v6e-1.*v5p-8.*v4-8"):
+        tpu.target("v7x-3")
+    model = mlp(16, 16)
+    with pytest.raises(ValueError, match="unknown TPU target 'h100'"):
+        tpukit.estimate(train_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                        torch.ones(2, 16, device=_xla.device()), target="h100")
+
+
+def test_every_target_is_a_topology_the_compiler_knows(rt):
+    # A one-op graph compiled for each slice of the table: the topology names and host bounds are libtpu's.
+    x = torch.ones(64, 128, device=_xla.device()) * 2
+    proto = _xla.hlo.hlo_module_proto([x])
+    for name, t in tpu.TARGETS.items():
+        est = tpu.compile_graph(proto, name, num_partitions=1)
+        assert est.fits and est.hbm_bytes > 0 and est.message is None, (name, est)
+        assert t.chip.source.startswith("https://cloud.google.com/tpu/docs/")
+
+
+def test_known_mlp_step_has_the_memory_and_flops_it_must(rt):
+    batch = 64
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    est = tpukit.estimate(train_step(model, opt), torch.randn(batch, 256, device=_xla.device()), target="v5e-1")
+    p = n_params(model)
+    assert est.fits and est.target == "v5e-1" and est.message is None
+    # The first step creates Adam's two moments: parameters + two moments per chip at least.
+    assert est.hbm_bytes >= 3 * 4 * p, est
+    assert est.hbm_bytes == (est.arguments_bytes + est.outputs_bytes + est.temp_bytes + est.code_bytes
+                             - est.aliased_bytes)
+    assert est.flops >= 4 * p * batch, est
+    assert est.hbm_limit_bytes == 16 * 1024**3 and 0 < est.compile_s < 120
+    floor = max(est.flops / 197e12, est.bytes_accessed / 819e9)  # v5e's public peak and bandwidth
+    assert est.step_s_min == pytest.approx(floor) and est.bound in ("compute", "memory")
+    text, page = str(est), est._repr_html_()
+    assert "HBM per chip" in text and "roofline" in text and "<table>" in page
+
+
+def test_in_place_update_is_donated(rt):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    step = train_step(model, opt)
+    x = torch.randn(32, 256, device=_xla.device())
+    step(x)
+    _xla.sync()  # Adam's moments exist: the steady step updates parameters and both moments in place
+    est = tpukit.estimate(step, x, target="v5e-1")
+    assert est.aliased_bytes >= 3 * 4 * n_params(model), est
+
+
+def test_the_model_optimizer_and_rng_are_unchanged_after_an_estimate(rt):
+    def pair():
+        model = mlp(dropout=0.1)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    x = torch.randn(16, 256).to(_xla.device())
+    a, opt_a = pair()
+    b, opt_b = pair()
+    sched = torch.optim.lr_scheduler.StepLR(opt_a, step_size=1, gamma=0.5)
+    step_a = train_step(a, opt_a)
+
+    def with_sched(x):
+        out = step_a(x)
+        sched.step()
+        return out
+
+    for model, opt in ((a, opt_a), (b, opt_b)):  # one real step each (same dropout): moments exist, grads None
+        _xla.set_rng_seed(3)
+        train_step(model, opt)(x)
+        _xla.sync()
+    assert all(torch.equal(p.cpu(), q.cpu()) for p, q in zip(a.parameters(), b.parameters()))
+    before = [t.cpu().clone() for t in a.parameters()]
+    seed, lr, moments = _xla.rng_seed(), opt_a.param_groups[0]["lr"], len(opt_a.state)
+    est = tpukit.estimate(with_sched, x, target="v5e-1")
+    assert est.fits
+    assert not any(_xla.has_pending(list(a.parameters())))  # still device data: no graph added to the next step
+    assert all(torch.equal(p.cpu(), q) for p, q in zip(a.parameters(), before))
+    assert _xla.rng_seed() == seed and opt_a.param_groups[0]["lr"] == lr and len(opt_a.state) == moments
+    assert all(p.grad is None for p in a.parameters()) and sched.last_epoch == 0
+    # The next real step gives exactly what it gives on a twin that was never estimated.
+    _xla.set_rng_seed(7)
+    train_step(a, opt_a)(x)
+    _xla.sync()
+    _xla.set_rng_seed(7)
+    train_step(b, opt_b)(x)
+    _xla.sync()
+    assert all(torch.equal(p.cpu(), q.cpu()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_the_same_graph_is_compiled_once(rt):
+    model = mlp(128, 512)
+    step = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(8, 128, device=_xla.device())
+    first = tpukit.estimate(step, x, target="v6e-1")
+    info = tpu.cache_info()
+    again = tpukit.estimate(step, x, target="v6e-1")
+    after = tpu.cache_info()
+    assert after["hits"] == info["hits"] + 1 and after["misses"] == info["misses"]
+    assert again == first  # the same answer, the compiler's own compile time included
+    future = tpu.compile_graph_async(_xla.hlo.hlo_module_proto([x * 3]), "v6e-1")
+    assert future.result(timeout=300).fits
+
+
+def test_the_compiler_runs_in_its_worker_never_here(rt):
+    model = mlp(64, 64)
+    tpukit.estimate(train_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                    torch.randn(4, 64, device=_xla.device()), target="v5e-1")
+    pid = tpu.worker_pid()
+    assert pid is not None and pid != os.getpid()
+    assert "jax" not in sys.modules and "jaxlib" not in sys.modules
+    with open("/proc/self/maps") as maps:
+        assert "libtpu" not in maps.read()
+    with open(f"/proc/{pid}/maps") as maps:
+        assert "libtpu" in maps.read()
+
+
+def test_an_oversized_step_is_refused_with_the_compilers_numbers(rt):
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    model = mlp(1024, 4096)
+    step = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(1 << 20, 1024, device=_xla.device())  # 4 GiB of input, never materialized
+    est = tpukit.estimate(step, x, target="v5e-1", suggest=False)
+    assert not est.fits
+    assert "RESOURCE_EXHAUSTED" in est.message or "memory" in est.message.lower(), est.message
+    assert est.hbm_bytes > est.hbm_limit_bytes > 15 * 1024**3, est  # both parsed from the compiler's message
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+    assert grown < 1024**3, f"host memory grew {grown / 1e9:.1f} GB"
+
+
+def test_what_to_do_when_it_does_not_fit(rt):
+    model = mlp(1024, 8192)
+    step = train_step(model, torch.optim.AdamW(model.parameters()))
+    x = torch.randn(1 << 19, 1024, device=_xla.device())  # about 30 GB per step: twice a v5e's HBM
+    est = tpukit.estimate(step, x, target="v5e-1")
+    assert not est.fits
+    tips = {s.change.split(" ")[0]: s for s in est.suggestions}
+    assert set(tips) >= {"batch", "accumulate", "bf16", "FSDP"}, est.suggestions
+    smaller = tips["batch"]
+    assert smaller.fits and smaller.hbm_bytes <= est.hbm_limit_bytes and int(smaller.change.split()[1]) < 1 << 19
+    assert tips["FSDP"].hbm_bytes is not None and "v5e-8" in tips["FSDP"].how
+    assert "try: batch" in str(est)
+
+
+def test_largest_batch(rt):
+    model = mlp(1024, 8192)
+    step = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    fit = tpukit.largest_batch(step, lambda b: torch.randn(b, 1024, device=_xla.device()), target="v5e-1",
+                               start=1 << 17, bisect=1)
+    assert fit.batch >= 1 << 17 and fit.estimate.fits
+    refused = [b for b, ok in fit.tried if not ok]
+    assert refused and min(refused) > fit.batch and all(ok for b, ok in fit.tried if b <= fit.batch)
+    assert "v5e-1: batch" in str(fit)
+
+
+def test_bucket_costs_feed_the_advisor(rt):
+    from tpukit.data import suggest_buckets
+
+    emb = torch.nn.Embedding(1000, 64).to(_xla.device())
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+
+    def step(ids):
+        loss = emb(ids).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    costs = tpu.bucket_costs(lambda n: tpukit.estimate(step, torch.zeros(8, n, dtype=torch.long,
+                                                                         device=_xla.device()), target="v5e-1"),
+                             [32, 128], target="v5e-1")
+    assert set(costs["step_time"]) == {32, 128} and costs["compile_s"] > 0
+    assert costs["step_time"][128] >= costs["step_time"][32] > 0
+    advice = suggest_buckets([20, 30, 100, 120], 8, **costs)
+    assert advice.buckets[-1] >= 120
+
+
+def test_a_graph_the_compiler_cannot_read_is_a_record_not_an_exception(rt):
+    est = tpu.compile_graph(b"not an HLO module", "v5e-1", name="broken")
+    assert not est.fits and "broken" in est.message
+
+
+SPMD = r"""
+import json, torch, tpukit
+from tpukit import _xla
+rt = tpukit.setup(device="cpu", cpu_devices=4, spmd=True)
+mesh = tpukit.mesh()
+out = {}
+for kind in ("replicated", "fsdp"):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 1024))
+    model = model.to(_xla.device())
+    if kind == "fsdp":
+        model = tpukit.fsdp(model, mesh)
+    opt = torch.optim.AdamW(model.parameters())
+    x = tpukit.shard_batch(torch.randn(16, 1024), mesh)
+    def step(x):
+        loss = model(x).pow(2).mean(); loss.backward(); opt.step(); opt.zero_grad(); return loss
+    before = [p.detach().cpu().clone() for p in model.parameters()]
+    est = tpukit.estimate(step, x, target="v5e-4")
+    same = all(torch.equal(p.detach().cpu(), q) for p, q in zip(model.parameters(), before))
+    out[kind] = dict(hbm=est.hbm_bytes, outputs=est.outputs_bytes, aliased=est.aliased_bytes, fits=est.fits,
+                     same=same, params=sum(p.numel() for p in model.parameters()))
+print(json.dumps(out))
+"""
+
+
+def test_spmd_fsdp_step_over_four_chips(tmp_path):
+    proc = run_python(SPMD, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4",
+                                 "TPUKIT_TPU_CACHE": str(tmp_path)}, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    rep, fsdp = out["replicated"], out["fsdp"]
+    assert rep["fits"] and fsdp["fits"] and rep["same"] and fsdp["same"], out
+    assert fsdp["hbm"] <= 0.45 * rep["hbm"], out
+    assert fsdp["outputs"] <= 0.45 * rep["outputs"], out  # outputs keep their shardings, not replicated
+    assert fsdp["aliased"] > 0, out
