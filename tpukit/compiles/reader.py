@@ -114,6 +114,9 @@ class Reader:
         self.start()
         if self._thread is None:
             return
+        if threading.current_thread() is self._thread:  # asked from a listener the reader is calling
+            self.read()
+            return
         deadline = time.monotonic() + timeout
         with self._cond:
             while not done() and time.monotonic() < deadline:
