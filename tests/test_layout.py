@@ -441,3 +441,18 @@ def test_the_hard_coded_api_list_is_the_one_at_the_base_commit():
             assert set(head) >= set(PUBLIC_API), f"names in PUBLIC_API that HEAD's __all__ lacks: {set(PUBLIC_API) - set(head)}"
             return
     pytest.fail("HEAD:tpukit/__init__.py has no literal __all__")
+
+
+def test_jax_is_imported_only_by_the_tpu_compilers_adapter():
+    # libtpu must never load into the process that runs torch_xla: only tpukit/tpu/_jax.py (run in the
+    # TPU compiler's worker process) may import jax, jaxlib or libtpu.
+    bad = []
+    for name, mod in modules().items():
+        if name == "tpukit.tpu._jax":
+            continue
+        for node in ast.walk(ast.parse(mod.source)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            bad += [f"{mod.rel}:{node.lineno} imports {n}" for n in names if n.split(".")[0] in ("jax", "jaxlib", "libtpu")]
+    assert not bad, "jax is imported outside tpukit/tpu/_jax.py (the worker's adapter):\n  " + "\n  ".join(bad)
+    assert "tpukit.tpu._jax" in modules()

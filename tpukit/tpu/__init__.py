@@ -17,7 +17,7 @@ from .follow import Follower, follow, follower, line
 from .graphs import bucket_costs, compile_graph, compile_graph_async
 from .record import Suggestion, TpuCompileError, TpuEstimate
 from .targets import TARGETS, Chip, Target, TargetError, default_target, target
-from .worker import (TpuCompilerMissingError, WorkerError, available, cache_dir, cache_info, require, stop, versions,
+from .worker import (TpuCompilerMissingError, WorkerError, available, cache_dir, cache_info, check, require, stop, versions,
                      worker_pid)
 
 __all__ = [

@@ -50,8 +50,10 @@ def handle(request: dict) -> dict:
     """Serve one request: ``{"op": "compile", ...}`` -> the compiler's figures or its refusal."""
     from . import _jax
 
-    if request.get("op") == "versions":
-        return {"versions": _jax.check()}
+    if request.get("op") == "check":
+        found = _jax.check()
+        _jax.devices("v5e:1x1", (1, 1, 1), 1)
+        return {"versions": found}
     devs = _jax.devices(request["topology"], request["host_bounds"], request["devices"])
     start = time.perf_counter()
     try:

@@ -225,7 +225,11 @@ def compile(request: Request) -> dict:
     return dict(reply)
 
 
-def probe(target: Target) -> Any:
-    """Start the worker and load the target's topology (the versions the worker sees)."""
+def check() -> dict[str, str]:
+    """Start the worker, load jax, libtpu and a v5e topology there; the versions it runs (``make install``)."""
     require()
-    return _PROCESS.call({"op": "versions"})
+    reply = _PROCESS.call({"op": "check"})
+    if "fatal" in reply:
+        raise (TpuCompilerMissingError if reply.get("missing") else WorkerError)(
+            f"the TPU compiler's worker cannot run: {reply['fatal']}")
+    return reply["versions"]
