@@ -137,6 +137,34 @@ def test_bucket_collator_no_recompilation_no_forced_read(rt, tok, examples, tmp_
     assert s["last_scalars"] == {} or all(isinstance(v, float) for v in s["last_scalars"].values())
 
 
+class Interrupt(CompilesAtBegin):
+    """A callback that stops train() with an exception at the end of the first step (an interrupted cell)."""
+
+    def on_step_end(self, *a, **k):
+        raise KeyboardInterrupt("stopped by the test")
+
+
+def test_a_train_that_raised_is_ended_by_the_next(rt, tok, examples, tmp_path):
+    """train() left by an exception never calls on_train_end; the next training on the thread ends its loop."""
+    from tpukit import steps
+    from tpukit.compiles import context
+
+    loops = steps._STATE.loops
+    first = tpukit.hf.Callback(dashboard=False)
+    t = trainer(tok, examples[:32], tmp_path, collator=tpukit.hf.BucketCollator(tok, buckets=[16, 32]),
+                callbacks=[first, Interrupt()], optim="adamw_torch", dataloader_drop_last=True, max_steps=2)
+    with pytest.raises(KeyboardInterrupt):
+        t.train()
+    assert steps._STATE.loops == loops + 1 and context.current() is not None and first.tracker.finished is None
+    second = tpukit.hf.Callback(dashboard=False)
+    t = trainer(tok, examples[:32], tmp_path, collator=tpukit.hf.BucketCollator(tok, buckets=[16, 32]),
+                callbacks=[second], optim="adamw_torch", dataloader_drop_last=True, max_steps=2)
+    t.train()
+    assert first.tracker.finished is not None and second.tracker.finished is not None
+    assert steps._STATE.loops == loops and context.current() is None
+    assert len(second.tracker.history) == 2
+
+
 def test_bucket_collator_pads_to_buckets_and_declares_them(tok, examples):
     c = tpukit.hf.BucketCollator(tok, lengths=[len(e["input_ids"]) for e in examples], batch_size=BATCH)
     assert c.advice is not None and list(c.buckets) == list(c.advice.buckets)

@@ -25,6 +25,9 @@ from ..guards import StepGuard
 from ..track import Tracker
 from . import checks
 
+# Callbacks whose training is running, per thread: a train() that raised (an interrupted cell, an
+# out-of-memory error) never calls on_train_end, so the next one on that thread ends its loop first.
+_RUNNING: dict[int, "CallbackLogic"] = {}
 TRAIN_PLACE = "the Trainer's training step"
 EVAL_PLACE = "the Trainer's evaluation"
 
@@ -71,6 +74,9 @@ class CallbackLogic:
                        train_dataloader: Any = None, eval_dataloader: Any = None, **kwargs: Any) -> None:
         """Check the setup (before anything compiles), then start the tracked loop and hook the model."""
         self.warnings = checks.check_training(args, optimizer, train_dataloader, eval_dataloader)
+        stale = _RUNNING.pop(threading.get_ident(), None)
+        if stale is not None:
+            stale._abandon()
         self.collator = checks.collator_of(train_dataloader)
         batch = int(getattr(args, "per_device_train_batch_size", 0) or 0) or None
         self.tracker = Tracker((), state.max_steps or None, None, None, False, None, self.guard, self.dashboard,
@@ -81,6 +87,7 @@ class CallbackLogic:
             self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self._in_step, self._logs, self._evals = False, {}, []
         self.tracker.begin()
+        _RUNNING[self._thread] = self
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """The previous optimizer step is over: its syncs (the loader's fetch of this batch) are made."""
@@ -113,6 +120,7 @@ class CallbackLogic:
                 self.estimate = self._future.result()
         finally:
             self._unhook()
+            _RUNNING.pop(self._thread, None)
 
     # ------------------------------------------------------------------ internals
     def _before_forward(self, module: Any, args: tuple, kwargs: dict) -> None:
@@ -130,9 +138,17 @@ class CallbackLogic:
         try:
             self.tracker.after_step(sync=False, scalars=logs)
         except BaseException:  # a guard's RecompilationError: close the loop, then let it out
-            self.tracker.end(completed=False)
-            self._unhook()
+            self._abandon()
             raise
+
+    def _abandon(self) -> None:
+        """End a training that will not reach on_train_end (an exception left train())."""
+        if _RUNNING.get(self._thread) is self:
+            del _RUNNING[self._thread]
+        self._unhook()
+        self._in_step = False
+        if self.tracker is not None and self.tracker.finished is None:
+            self.tracker.end(completed=False)
 
     def _unhook(self) -> None:
         if self._hook is not None:
