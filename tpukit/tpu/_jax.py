@@ -60,7 +60,8 @@ def check() -> dict[str, str]:
     return v
 
 
-# Gate: jaxlib >= 0.8 compiles a parsed ir.Module (0.10.2 checked); 0.7.x (Colab: 0.7.2 checked) takes text.
+# Gate: jaxlib >= 0.8 compiles a parsed ir.Module (0.10.2 checked); 0.7.x (Colab: 0.7.2 checked) takes the
+# module as bytes (its text, UTF-8).
 def _compile_takes_ir_module() -> bool:
     return _version_tuple(versions()["jaxlib"]) >= (0, 8, 0)
 
@@ -159,7 +160,7 @@ def compile_hlo(hlo_module_proto: bytes, devs: list, num_partitions: int = 1,
     with mlir.make_ir_context():
         module = ir.Module.parse(text)
         _annotate(module, aliases, shard_over)
-        program = module if _compile_takes_ir_module() else str(module)
+        program = module if _compile_takes_ir_module() else str(module).encode()
         exe = client.compile(program, executable_devices=_jax.DeviceList(tuple(devs)), compile_options=options)
     stats = exe.get_compiled_memory_stats()
     costs = exe.cost_analysis()

@@ -38,6 +38,14 @@ def _compile(traced: Traced, tgt: Target, name: str, shard_over: int = 1) -> Tpu
     return from_reply(reply, tgt, name)
 
 
+def _fsdp(traced: Traced, tgt: Target, fsdp: bool) -> int:
+    """How many chips to impose an FSDP layout over (1: none)."""
+    if fsdp and traced.num_partitions > 1:
+        raise ValueError("fsdp=True is for a one-device step; this one is already SPMD-partitioned (its own "
+                         "shardings are compiled as they are): drop fsdp=True.")
+    return tgt.chips if fsdp else 1
+
+
 def _name(step: Callable) -> str:
     return getattr(step, "__qualname__", None) or type(step).__name__
 
@@ -105,7 +113,7 @@ def _suggest(step: Callable, args: tuple, kwargs: dict, tgt: Target, traced: Tra
 
 
 def estimate(step: Callable, *args: Any, target: str | Target | None = None, suggest: bool = True,
-             **kwargs: Any) -> TpuEstimate:
+             fsdp: bool = False, **kwargs: Any) -> TpuEstimate:
     """Compile ``step(*args, **kwargs)`` for a TPU with the real TPU compiler, without running it here.
 
     The step is traced lazily on the XLA device (model and batch already there),
@@ -116,14 +124,17 @@ def estimate(step: Callable, *args: Any, target: str | Target | None = None, sug
     donation is carried (``aliased_bytes``); under SPMD the graph is compiled for
     the target's chips with the tensors' shardings. When it does not fit,
     ``suggestions`` says what would, each compiled again (``suggest=False`` skips
-    them). The step must not sync (no ``torch_xla.sync()``/``.item()`` inside).
+    them). ``fsdp=True`` asks about a one-device step as if it ran under
+    ``tpukit.fsdp`` over all the target's chips (every parameter, optimizer state
+    and batch tensor split over them; the batch is the global one). The step must
+    not sync (no ``torch_xla.sync()``/``.item()`` inside).
     """
     tgt = _resolve(target)
     worker.require()
     name = _name(step)
     traced = trace(step, args, kwargs)
-    est = _compile(traced, tgt, name)
-    if not est.fits and suggest:
+    est = _compile(traced, tgt, name, _fsdp(traced, tgt, fsdp))
+    if not est.fits and suggest and not fsdp:
         est = replace(est, suggestions=_suggest(step, args, kwargs, tgt, traced, name))
     return est
 
@@ -146,13 +157,14 @@ class BatchFit:
 
 
 def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | None = None,
-            start: int = 1, limit: int = 4096, steps: int = 3, tried: list | None = None):
+            start: int = 1, limit: int = 4096, steps: int = 3, tried: list | None = None, fsdp: bool = False):
     """(largest fitting batch, its estimate) by doubling from ``start`` then bisecting; None if none fits."""
     tried = [] if tried is None else tried
     top = below - 1 if below else max(limit, start)
 
     def fits(b: int) -> TpuEstimate | None:
-        est = _compile(make(b), tgt, name)
+        traced = make(b)
+        est = _compile(traced, tgt, name, _fsdp(traced, tgt, fsdp))
         tried.append((b, est.fits))
         return est if est.fits else None
 
@@ -194,14 +206,15 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
 
 
 def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str | Target | None = None, *,
-                  start: int = 1, limit: int = 1 << 20, bisect: int = 3) -> BatchFit:
+                  start: int = 1, limit: int = 1 << 20, bisect: int = 3, fsdp: bool = False) -> BatchFit:
     """The largest batch size at which ``step(make_batch(b))`` fits on ``target``, by a few TPU compiles.
 
     ``make_batch(b)`` returns the step's arguments for a batch of ``b`` rows (a
     tuple is unpacked, a dict passed as keywords, anything else as the one
     argument), on the XLA device. Sizes double from ``start`` up to ``limit``
     until the compiler refuses, then ``bisect`` compiles narrow the gap (to
-    multiples of 8). Every compile is cached, so asking again is instant.
+    multiples of 8). ``fsdp=True``: as under ``tpukit.fsdp`` over the target's
+    chips (see :func:`estimate`). Every compile is cached, so asking again is instant.
     """
     tgt = _resolve(target)
     worker.require()
@@ -216,7 +229,7 @@ def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str 
         return trace(step, (batch,), {})
 
     tried: list[tuple[int, bool]] = []
-    found = _search(make, tgt, name, start=start, limit=limit, steps=bisect, tried=tried)
+    found = _search(make, tgt, name, start=start, limit=limit, steps=bisect, tried=tried, fsdp=fsdp)
     if found is None:
         return BatchFit(tgt.name, 0, None, tuple(tried))
     return BatchFit(tgt.name, found[0], found[1], tuple(tried))

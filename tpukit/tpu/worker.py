@@ -214,6 +214,8 @@ def compile(request: Request) -> dict:
         raise WorkerError(f"the TPU compiler's worker failed: {reply['fatal']}")
     with _STATS_LOCK:
         _STATS["misses"] += 1
+    if "error" in reply and not reply.get("memory"):
+        return dict(reply)  # another refusal may be a passing fault of this install: asked again next time
     _MEMORY[key] = reply
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
