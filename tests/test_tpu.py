@@ -200,11 +200,15 @@ def test_what_to_do_when_it_does_not_fit(rt):
 def test_largest_batch(rt):
     model = mlp(1024, 8192)
     step = train_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    fit = tpukit.largest_batch(step, lambda b: torch.randn(b, 1024, device=_xla.device()), target="v5e-1",
-                               start=1 << 17, bisect=1)
-    assert fit.batch >= 1 << 17 and fit.estimate.fits
-    refused = [b for b, ok in fit.tried if not ok]
-    assert refused and min(refused) > fit.batch and all(ok for b, ok in fit.tried if b <= fit.batch)
+
+    def make(b):
+        return torch.randn(b, 1024, device=_xla.device())
+
+    fit = tpukit.largest_batch(step, make, target="v5e-1", start=1 << 14)
+    assert fit.estimate.fits and fit.batch > 1 << 15 and len(fit.tried) <= 5, fit
+    assert fit.estimate.hbm_bytes >= 0.85 * fit.estimate.hbm_limit_bytes, fit  # it fills the chip
+    over = tpukit.estimate(step, make(fit.batch * 9 // 8), target="v5e-1", suggest=False)
+    assert not over.fits, (fit, over)  # an eighth more does not fit
     assert "v5e-1: batch" in str(fit)
 
 

@@ -157,63 +157,69 @@ class BatchFit:
 
 
 def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | None = None,
-            start: int = 1, limit: int = 4096, steps: int = 3, tried: list | None = None, fsdp: bool = False):
-    """(largest fitting batch, its estimate) by doubling from ``start`` then bisecting; None if none fits."""
+            start: int = 1, limit: int = 1 << 20, steps: int = 2, tried: list | None = None, fsdp: bool = False):
+    """(largest fitting batch, its estimate), or None if not even a batch of 1 fits.
+
+    A size that fits (``start``, or half of ``below``, halved while refused), a second one twice as big
+    give the HBM each row costs; a third compile checks the batch that fills the chip by that slope, and
+    ``steps`` more bisect when the prediction was off. Sizes above 8 are multiples of 8.
+    """
     tried = [] if tried is None else tried
     top = below - 1 if below else max(limit, start)
 
-    def fits(b: int) -> TpuEstimate | None:
+    def at(b: int) -> TpuEstimate:
         traced = make(b)
         est = _compile(traced, tgt, name, _fsdp(traced, tgt, fsdp))
         tried.append((b, est.fits))
-        return est if est.fits else None
+        return est
 
-    if below:  # halve down from the refused size, then bisect upward
-        hi, b = below, max(1, below // 2)
-        while True:
-            est = fits(b)
-            if est is not None:
-                break
-            if b == 1:
-                return None
-            hi, b = b, max(1, b // 2)
-    else:
-        b, est, hi = start, None, None
-        while b <= top:
-            got = fits(b)
-            if got is None:
-                hi = b
-                break
-            est = got
-            b *= 2
-        if est is None:
+    def round8(b: float) -> int:
+        b = int(b)
+        return b - b % 8 if b > 8 else max(b, 1)
+
+    hi, b = below, (max(1, below // 2) if below else min(start, top))
+    while not (est := at(b)).fits:
+        if b == 1:
             return None
-        b //= 2  # the last size that fitted
-        if hi is None:
-            return b, est
-    lo = b
-    for _ in range(steps):
-        mid = (lo + hi) // 2
-        mid -= mid % 8 if mid > 8 else 0
+        hi, b = b, max(1, b // 2)
+    lo, best = b, est
+    if hi is None and 2 * lo <= top:
+        second = at(2 * lo)
+        if second.fits:
+            slope = (second.hbm_bytes - best.hbm_bytes) / lo
+            lo, best = 2 * lo, second
+            room = 0.98 * best.hbm_limit_bytes - best.hbm_bytes
+            guess = min(top, round8(lo + room / slope)) if slope > 0 else top
+            if guess > lo:
+                third = at(guess)
+                if third.fits:
+                    lo, best = guess, third
+                else:
+                    hi = guess
+        else:
+            hi = 2 * lo
+    for _ in range(steps if hi is not None else 0):
+        mid = round8((lo + hi) // 2)
         if mid <= lo or mid >= hi:
             break
-        got = fits(mid)
-        if got is not None:
-            lo, est = mid, got
+        got = at(mid)
+        if got.fits:
+            lo, best = mid, got
         else:
             hi = mid
-    return lo, est
+    return lo, best
 
 
 def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str | Target | None = None, *,
-                  start: int = 1, limit: int = 1 << 20, bisect: int = 3, fsdp: bool = False) -> BatchFit:
+                  start: int = 8, limit: int = 1 << 20, bisect: int = 2, fsdp: bool = False) -> BatchFit:
     """The largest batch size at which ``step(make_batch(b))`` fits on ``target``, by a few TPU compiles.
 
     ``make_batch(b)`` returns the step's arguments for a batch of ``b`` rows (a
     tuple is unpacked, a dict passed as keywords, anything else as the one
-    argument), on the XLA device. Sizes double from ``start`` up to ``limit``
-    until the compiler refuses, then ``bisect`` compiles narrow the gap (to
-    multiples of 8). ``fsdp=True``: as under ``tpukit.fsdp`` over the target's
+    argument), on the XLA device. Compiles at ``start`` and twice that give the
+    HBM per row; the batch that fills the chip (at most ``limit``) is compiled
+    to check, and ``bisect`` more compiles narrow the gap when it does not fit
+    (multiples of 8). Three compiles usually answer. ``fsdp=True``: as under ``tpukit.fsdp`` over the target's
     chips (see :func:`estimate`). Every compile is cached, so asking again is instant.
     """
     tgt = _resolve(target)
