@@ -356,3 +356,23 @@ def test_peak_host_memory_of_saving_one_large_device_tensor_is_bounded_by_the_ch
     out = _last_json(_program("memory", "512", "4", OUT_DIR=str(tmp_path)))
     assert out["extra"] <= 0.25 * out["state"], f"extra {out['extra'] / 2**20:.0f} MiB for a 512 MiB tensor"
     assert ck.verify(tmp_path / "big.pt").bytes > out["state"]  # committed: the manifest's size and sha256 match
+
+
+def test_a_guarded_loop_saving_a_chunked_tensor_reports_no_recompilation(tmp_path, rt):
+    import tpukit
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(3000, 800), nn.Linear(800, 600)).to(rt.device)  # 9.2 MiB: chunked
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # its moments: the same shape, the same graph
+    mgr = ck.CheckpointManager(tmp_path, keep=1, rng=False, copy_chunk=1 << 20)
+    ids = torch.arange(8).reshape(2, 4).to(rt.device)
+    for step in tpukit.track(range(1, 6), guard=tpukit.no_recompile_after(2), progress=False):
+        model(ids).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step >= 3:  # after warm-up: the first save compiles the chunk graphs, new graphs, not recompilations
+            mgr.save(step, model=model.state_dict(), optimizer=opt.state_dict())
+    assert mgr.all_steps() == [5]
+    state = mgr.latest()
+    assert torch.equal(state["model"]["0.weight"], model[0].weight.cpu())
+    mgr.close()
