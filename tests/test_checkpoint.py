@@ -413,7 +413,7 @@ def test_manager_every_keep_steps_and_pruning(tmp_path):
     assert mgr.latest() == {"step": 8, "w": torch.tensor(8.0)}
     with pytest.warns(TpukitWarning, match="already holds step 8"):
         mgr.save(2, w=torch.tensor(2.0))
-    assert mgr.all_steps() == [2, 8] and mgr.latest()["step"] == 8  # the new one counts, and is never pruned
+    assert mgr.all_steps() == [2, 6, 8] and mgr.latest()["step"] == 8  # the new one counts; newer ones are never pruned (issue 27)
     with pytest.raises(CheckpointError, match="keep=0"):
         ck.CheckpointManager(tmp_path, keep=0)
 
