@@ -235,6 +235,14 @@ def test_bad_input_is_refused_before_anything_starts(local_slice):
     assert_nothing_left_running()
 
 
+def test_a_local_slice_needs_a_positive_device_count():
+    for bad in (0, -2, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=re.escape(f"devices_per_host={bad!r} must be a positive int")):
+            tpukit.LocalSlice(TOPOLOGY, VERSION, devices_per_host=bad)
+    assert tpukit.LocalSlice(TOPOLOGY, VERSION).devices_per_host == CHIPS  # None: one device per chip
+    assert tpukit.LocalSlice(TOPOLOGY, VERSION, devices_per_host=1).devices_per_host == 1
+
+
 def test_a_busy_slice_is_refused_before_anything_starts(local_slice):
     from ray.util.tpu import slice_placement_group
 
@@ -322,6 +330,41 @@ def test_a_host_that_dies_ends_the_run_and_the_others_are_cancelled(local_slice,
                                                 r"tasks were cancelled\.$"):
         tpukit.run_on_slice(crash_on_host_one)
     assert "[host 1] host one goes down" in capsys.readouterr().out
+    assert_nothing_left_running()
+
+
+def test_ctrl_c_while_the_slice_is_being_reserved_leaves_no_reservation(local_slice):
+    import threading
+
+    from ray.util import placement_group, placement_group_table, remove_placement_group
+
+    # Someone else holds host 0's head resource (not its TPUs: the slice looks idle), so run_on_slice's
+    # reservation waits for it; Ctrl-C comes while it waits, as a user's would.
+    holder = placement_group([{"TPU-v5litepod-16-head": 1}])
+    ray.get(holder.ready(), timeout=60)
+    before = set(placement_group_table())
+    waited = []
+
+    def interrupt_while_reserving():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            waiting = [g for g, pg in placement_group_table().items() if g not in before and pg["state"] == "PENDING"]
+            if waiting:
+                waited.extend(waiting)
+                time.sleep(0.5)
+                _thread.interrupt_main()  # what Ctrl-C (the kernel's interrupt) does to the notebook
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=interrupt_while_reserving, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt, match="while the 4x4 slice was being reserved; the reservation was removed"):
+            tpukit.run_on_slice(not_run, timeout=60)
+        assert waited, "the reservation never waited: the test did not interrupt it"
+        left = {g: pg["state"] for g, pg in placement_group_table().items() if g not in before and pg["state"] != "REMOVED"}
+        assert left == {}, f"the interrupted reservation left placement groups in Ray: {left}"
+    finally:
+        remove_placement_group(holder)
     assert_nothing_left_running()
 
 
