@@ -29,6 +29,7 @@ from .advisor import (  # noqa: F401 (the bucket advisor, re-exported: tpukit.da
     evaluate_buckets,
     suggest_buckets,
 )
+from ._text import plural
 from .errors import DataError  # noqa: F401 (raised here and by the advisor; tpukit.data.DataError)
 
 
@@ -73,8 +74,38 @@ def bert_mask(attention_mask: torch.Tensor, dtype: torch.dtype = torch.float32) 
     (a forced read, and one extra small graph per input shape). The result has shape
     ``(batch, 1, 1, length)``: 0 where attended, ``dtype``'s minimum on padding,
     computed by lazy ops inside the step graph.
+
+    ``attention_mask`` must be the tokenizer's 2-D ``(batch, length)`` tensor of 0
+    (padding) and 1 (a token); bool, integer and float dtypes all work. Its type,
+    shape and dtype are always checked (``TypeError`` / :class:`DataError`). Its
+    *values* are checked only on a CPU tensor: checking an XLA tensor's values
+    would read it from the device mid-step (the very read this function exists to
+    avoid), so there a nonzero value counts as "attend" and zero as padding, which
+    can never add a positive bias (a 2, or ``input_ids`` passed by mistake, does
+    not boost attention; it masks only zeros).
     """
-    keep = attention_mask[:, None, None, :].to(dtype)
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"bert_mask() takes the attention_mask tensor (batch, length) of 0/1, not a "
+                        f"{type(attention_mask).__name__}; pass batch['attention_mask'], or "
+                        "torch.tensor(mask) for a list.")
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"bert_mask(dtype={dtype!r}): the additive mask needs a floating dtype, "
+                        "e.g. torch.float32, or model.dtype for a model cast to bfloat16.")
+    if attention_mask.dim() != 2:
+        hint = ("a single example? add the batch dimension: mask[None]" if attention_mask.dim() < 2 else
+                "it looks already expanded; pass the tokenizer's 2-D mask, or give a ready 4-D additive mask "
+                "to the model as it is")
+        raise DataError(f"bert_mask() needs the 2-D attention_mask (batch, length) of 0/1, got shape "
+                        f"{tuple(attention_mask.shape)}: {hint}.")
+    if attention_mask.is_complex():
+        raise DataError(f"bert_mask() needs a 0/1 mask of bool, integer or float dtype, got {attention_mask.dtype}.")
+    if attention_mask.device.type == "cpu" and attention_mask.numel():
+        bad = (attention_mask != 0) & (attention_mask != 1)
+        if bool(bad.any()):
+            value = attention_mask[bad][0].item()
+            raise DataError(f"bert_mask() needs a mask of 0 (padding) and 1 (a token), but it holds {value!r}: "
+                            "is it input_ids? Pass the tokenizer's attention_mask (e.g. batch['attention_mask']).")
+    keep = (attention_mask[:, None, None, :] != 0).to(dtype)
     return (1.0 - keep) * torch.finfo(dtype).min
 
 
@@ -114,13 +145,23 @@ class BucketBatcher:
     batches are dropped so the batch dimension never changes either; the dropped
     examples are counted in ``dropped``. Iterating yields dicts with ``input_ids``,
     ``attention_mask`` and, when labels were given, ``labels``.
+
+    A sequence longer than the largest bucket would lose tokens, so it is refused
+    (:class:`DataError`, naming how many and the longest): add a bucket that holds
+    it, or truncate when tokenizing. ``truncate=True`` cuts such sequences to the
+    largest bucket instead and counts this epoch's cut ones in ``truncated`` (they
+    are fed, so they are not in ``dropped``; one in a dropped partial batch is
+    counted in ``dropped`` only).
     """
 
     def __init__(self, sequences: Sequence[Sequence[int]], labels: Sequence[int] | None = None, *,
                  batch_size: int, buckets: Sequence[int], pad_id: int = 0, shuffle: bool = False,
-                 seed: int = 0, drop_last: bool = True):
+                 seed: int = 0, drop_last: bool = True, truncate: bool = False):
         if batch_size < 1:
             raise DataError("batch_size must be >= 1.")
+        if not buckets or min(int(b) for b in buckets) < 1:
+            raise DataError(f"buckets={list(buckets)!r} needs at least one length >= 1, e.g. "
+                            "tpukit.data.bucket_lengths(max_length) or suggest_buckets(lengths, batch_size).buckets.")
         if labels is not None and len(labels) != len(sequences):
             raise DataError(f"got {len(sequences)} sequences but {len(labels)} labels; they must pair up.")
         self.sequences = sequences
@@ -131,7 +172,17 @@ class BucketBatcher:
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.truncate = bool(truncate)
         self.epoch = 0
+        longest = self.buckets[-1]
+        over = [len(seq) for seq in sequences if len(seq) > longest]
+        if over and not self.truncate:
+            raise DataError(
+                f"{len(over)} of {plural(len(sequences), 'sequence')} {'is' if len(over) == 1 else 'are'} longer "
+                f"than the largest bucket, {longest} "
+                f"(the longest has {max(over)} tokens), and would lose tokens. Add a bucket of at least "
+                f"{max(over)}, truncate when tokenizing (truncation=True, max_length={longest}), or pass "
+                f"truncate=True to cut them to {longest} (counted in .truncated).")
         self._plan = self._make_plan()
 
     def _make_plan(self) -> list[tuple[int, list[int]]]:
@@ -141,7 +192,7 @@ class BucketBatcher:
         for i in order:
             groups[bucket_for(len(self.sequences[i]), self.buckets)].append(i)
         plan = []
-        self.dropped = 0
+        self.dropped = self.truncated = 0
         for b, idx in groups.items():
             for s in range(0, len(idx), self.batch_size):
                 chunk = idx[s: s + self.batch_size]
@@ -149,6 +200,7 @@ class BucketBatcher:
                     self.dropped += len(chunk)
                     continue
                 plan.append((b, chunk))
+                self.truncated += sum(1 for i in chunk if len(self.sequences[i]) > b)
         if self.shuffle:
             perm = torch.randperm(len(plan), generator=g).tolist()
             plan = [plan[i] for i in perm]

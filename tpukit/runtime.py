@@ -5,7 +5,8 @@ compile tracing) from environment variables when it starts, and cannot be
 reconfigured afterwards. ``setup()`` therefore does everything that must happen
 before the start first, then starts the runtime and returns a frozen
 :class:`Runtime` record. Settings that could not be applied (because the runtime
-had already started) are reported in ``Runtime.problems``, never dropped.
+had already started) are reported in ``Runtime.problems`` and warned about once
+(``TpukitWarning``, saying who started it and what to do), never dropped.
 ``rank()`` says which replica this process is (under ``tpukit.launch``).
 """
 
@@ -14,13 +15,15 @@ from __future__ import annotations
 import dataclasses
 import html
 import os
+import sys
 import threading
+import warnings
 from dataclasses import dataclass
 
 from ._version import __version__
 from . import _ipython, _xla, cache, compiles, environment, tpu
 from ._text import table_html, table_text
-from .errors import DeviceNotFoundError, TorchXlaMissingError, VersionMismatchError
+from .errors import DeviceNotFoundError, TorchXlaMissingError, TpukitWarning, VersionMismatchError
 
 DEVICE_CHOICES = ("auto", "tpu", "cpu")
 METRIC_SAMPLES_ENV, METRIC_SAMPLES = "XLA_METRICS_SAMPLES", "64"  # set it yourself to keep more
@@ -117,6 +120,7 @@ class Runtime:
 
 _LOCK = threading.RLock()
 _STATE: tuple[Runtime, Request] | None = None
+_WARNED: set[str] = set()  # the problems setup() has warned about in this process
 
 
 def current() -> Runtime | None:
@@ -203,27 +207,80 @@ def configure(req: Request | None = None, env: environment.Environment | None = 
             os.environ["CPU_NUM_DEVICES"] = str(req.cpu_devices)
     if not req.trace_compiles:
         return None, []
-    return compiles.configure(runtime_imported=_xla.is_imported())
+    imported = _xla.is_imported()
+    trace, problems = compiles.configure(runtime_imported=imported)
+    if trace is None and problems and imported and _xla.imported_by():
+        # compiles says torch_xla was imported too early, as if by the user; it was tpukit itself
+        problems = [f"Compile causes are unavailable: torch_xla was loaded {_started_by()} before tpukit.setup() "
+                    "could configure compile tracing (counts still work). Restart the kernel and call tpukit.setup() "
+                    "first, before anything that uses the device."]
+    return trace, problems
 
 
-def _unapplied(req: Request, rt: Runtime, only: tuple[str, ...] = ("device", "cpu_devices", "spmd", "trace", "cache")) -> list[str]:
-    """Sentences for each requested setting (among ``only``) the running runtime does not have."""
+def _started_by() -> str:
+    """Who loaded torch_xla before ``setup()`` did: a tpukit call by its public name, or code outside tpukit."""
+    by = _xla.imported_by()
+    if not by:
+        return "by code outside tpukit (your own or a library's)"
+    mod, _, fn = by.rpartition(".")
+    for pkg in ("tpukit", mod.rpartition(".")[0], mod):  # the shortest public name that is this function
+        obj = getattr(sys.modules.get(pkg), fn, None)
+        if getattr(obj, "__module__", None) == mod and getattr(obj, "__name__", None) == fn:
+            return f"by {pkg}.{fn}()"
+    return f"by {by}()"
+
+
+def _asked(req: Request, first: Request) -> tuple[str, ...]:
+    """The settings a later ``setup()`` asks to change: given other than the first call's and other
+    than their defaults (a setting left at its default asks for nothing)."""
+    default = Request()
+    return tuple(f.name for f in dataclasses.fields(Request)
+                 if getattr(req, f.name) != getattr(first, f.name) and getattr(req, f.name) != getattr(default, f.name))
+
+
+def _unapplied(req: Request, rt: Runtime, only: tuple[str, ...] = ("device", "cpu_devices", "spmd", "trace_compiles",
+                                                                      "compile_cache"), since: str = "") -> list[str]:
+    """Sentences for each requested setting (among ``only``) the running runtime does not have.
+
+    ``since``: how the runtime came to be started already (``"as the first tpukit.setup() call started it"``).
+    """
+    how = f" ({since})" if since else ""
     fix = "Restart the kernel (or Python) and call tpukit.setup(...) with it before anything uses the device."
     out = []
     if "device" in only and req.device != "auto" and req.device.upper() != rt.device_type:
-        out.append(f"device={req.device!r} was requested but the runtime already runs on {rt.device_type}. {fix}")
+        out.append(f"device={req.device!r} was requested but the runtime already runs on {rt.device_type}{how}. {fix}")
     if "cpu_devices" in only and req.cpu_devices and rt.device_type == "CPU" and req.cpu_devices != rt.device_count:
         out.append(f"cpu_devices={req.cpu_devices} was requested but the runtime already started with "
-                   f"{rt.device_count} CPU device(s). {fix}")
+                   f"{rt.device_count} CPU device(s){how}. {fix}")
     if "spmd" in only and req.spmd and not rt.spmd:
-        out.append(f"spmd=True was requested but the runtime already started without SPMD. {fix}")
-    if "trace" in only and req.trace_compiles and not rt.trace_file:
+        out.append(f"spmd=True was requested but the runtime already started without SPMD{how}. {fix}")
+    if "trace_compiles" in only and req.trace_compiles and not rt.trace_file:
         out.append("trace_compiles=True was requested but torch_xla was already running without compile "
-                   f"tracing, so compile causes are unavailable (counts still work). {fix}")
-    if ("cache" in only and isinstance(req.compile_cache, str) and rt.device_type == "TPU"
+                   f"tracing{how}, so compile causes are unavailable (counts still work). {fix}")
+    if "trace_compiles" in only and not req.trace_compiles and rt.trace_file:
+        out.append(f"trace_compiles=False was requested but compile tracing is already on{how} and stays on in this "
+                   f"process (into {rt.trace_file}). {fix}")
+    if "compile_cache" in only and req.compile_cache is False and rt.compile_cache:
+        out.append(f"compile_cache=False was requested but the persistent compile cache is already on{how} and "
+                   f"stays on (at {rt.compile_cache}). {fix}")
+    if ("compile_cache" in only and isinstance(req.compile_cache, str)
             and not (rt.compile_cache or "").startswith(req.compile_cache)):
-        out.append(f"compile_cache={req.compile_cache!r} was requested but the runtime already started. {fix}")
+        if rt.device_type == "TPU":
+            now = f"at {rt.compile_cache}" if rt.compile_cache else "off"
+            out.append(f"compile_cache={req.compile_cache!r} was requested but the runtime already started with the "
+                       f"compile cache {now}{how}. {fix}")
+        else:
+            out.append(f"compile_cache={req.compile_cache!r} was requested but the persistent compile cache is "
+                       f"{rt.cache_note or 'off'}.")
     return out
+
+
+def _warn(problems: tuple[str, ...] | list[str]) -> None:
+    """One TpukitWarning per problem ``setup()`` could not fix, each distinct sentence once per process."""
+    for p in problems:
+        if p not in _WARNED:
+            _WARNED.add(p)
+            warnings.warn(p, TpukitWarning, stacklevel=3)
 
 
 def _follow_target(target: str | None) -> str | None:
@@ -255,8 +312,13 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
       reaches the dashboard, ``%%xla`` and ``tracker.summary()["tpu"]``. Can be set or changed
       by a later call.
 
-    Idempotent: later calls return the same Runtime; if they ask for settings the
-    running runtime lacks, those are listed in ``Runtime.problems`` with the fix.
+    Idempotent: later calls return the same Runtime. A setting the running runtime cannot
+    take (it was started already: by an earlier ``setup()``, or before it by another call
+    that used the device) is listed in ``Runtime.problems`` with the fix and warned about
+    once (a :class:`~tpukit.TpukitWarning`: restart the kernel and call ``setup()`` first).
+    A later call asks only for the settings it gives other than the first call's and other
+    than their defaults: ``setup(cpu_devices=4)`` after ``setup(spmd=True)`` does not ask to
+    turn SPMD off.
     """
     global _STATE
     req = Request(device, cpu_devices, bool(spmd), compile_cache, bool(trace_compiles))
@@ -270,11 +332,15 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
                 _STATE = (rt, first)
             if req == first or req == Request():
                 return rt
-            extra = [p for p in _unapplied(req, rt) if p not in rt.problems]
+            asked = _asked(req, first)
+            extra = [p for p in _unapplied(req, rt, only=asked, since="as the first tpukit.setup() call started it")
+                     if p not in rt.problems]
+            _warn(extra)
             return dataclasses.replace(rt, problems=rt.problems + tuple(extra)) if extra else rt
 
         env = check_installation()
         started_before = _xla.runtime_initialized()
+        since = f"torch_xla was loaded {_started_by()}, before tpukit.setup()" if started_before else ""
         kind = resolve_device(req, env)
         trace, problems = configure(req, env)
 
@@ -287,8 +353,9 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
         _xla.torch_xla()  # import (raises a tpukit error on a broken install)
         if spmd and not _xla.is_spmd():
             if started_before:
-                problems.append("spmd=True could not be applied: the runtime had already started without SPMD. "
-                                "Restart the kernel and call tpukit.setup(spmd=True) before anything uses the device.")
+                problems.append(f"spmd=True could not be applied: the runtime had already started without SPMD "
+                                f"({since}). Restart the kernel and call tpukit.setup(spmd=True) first, before "
+                                "anything uses the device.")
             else:
                 _xla.use_spmd()
         dev = _xla.device()
@@ -311,8 +378,9 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
             target=_follow_target(target),
         )
         if started_before:
-            problems.extend(_unapplied(req, rt, only=("device", "cpu_devices")))
+            problems.extend(_unapplied(req, rt, only=("device", "cpu_devices"), since=since))
         rt = dataclasses.replace(rt, problems=tuple(problems))
         _STATE = (rt, req)
+        _warn(rt.problems)
         return rt
 

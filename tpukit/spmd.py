@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+import torch
+
 from . import _xla, runtime
 from ._tree import is_tensor, tree_map
 from .errors import RuntimeStateError, ShardingError
@@ -95,18 +98,26 @@ def _check_rows(t: Any, size: int, axis: str, where: str) -> None:
             f"is a multiple of {size}, e.g. {example}, or drop_last=True in the DataLoader.")
 
 
+def _is_array(obj: Any) -> bool:
+    """A numpy array of numbers (what a ``collate_fn`` or a tokenizer with ``return_tensors='np'`` gives)."""
+    return isinstance(obj, np.ndarray) and obj.dtype.kind in "biufc"
+
+
 def shard_batch(batch: Any, mesh: Any, axis: str = "data") -> Any:
     """Put a batch on the device, every tensor split along its first dimension over ``axis``.
 
-    batch: a tensor or a nested dict/list/tuple of them (other leaves pass through);
-    CPU tensors are copied shard by shard, XLA tensors are annotated in place.
-    Scalars are replicated. Returns the same structure with plain XLA tensors;
-    raises ``ShardingError`` when a first dimension is not a multiple of the
+    batch: a tensor or a nested dict/list/tuple of them; numpy arrays of numbers are
+    converted to tensors first (``torch.from_numpy``: same dtype), other leaves (strings,
+    arrays of objects) pass through. CPU tensors are copied shard by shard, XLA tensors
+    are annotated in place. Scalars are replicated. Returns the same structure with plain
+    XLA tensors; raises ``ShardingError`` when a first dimension is not a multiple of the
     axis size (every device must get the same number of rows).
     """
     size = _axis_size(mesh, axis)
 
     def one(t: Any, path: str) -> Any:
+        if isinstance(t, np.ndarray):
+            t = torch.from_numpy(np.ascontiguousarray(t))
         if t.dim() == 0:
             return t if _xla.is_xla_tensor(t) else t.to(_xla.device())
         _check_rows(t, size, axis, path)
@@ -116,7 +127,7 @@ def shard_batch(batch: Any, mesh: Any, axis: str = "data") -> Any:
             return t
         return _xla.to_device_sharded(t.detach().cpu() if t.device.type != "cpu" else t, mesh, spec)
 
-    return tree_map(one, batch, is_tensor, path="batch")
+    return tree_map(one, batch, lambda x: is_tensor(x) or _is_array(x), path="batch")
 
 
 def sharding_spec(tensor: Any) -> str:
@@ -164,6 +175,9 @@ def fsdp(model: Any, mesh: Any, axis: str = "data") -> Any:
     place and keeps its own ``state_dict()`` keys (the wrapper's add a
     ``_orig_module.`` prefix). Feed it batches from ``shard_batch(..., mesh, axis)``.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"tpukit.fsdp() wraps a torch.nn.Module (the model itself), not a "
+                        f"{type(model).__name__}: pass the model object, e.g. tpukit.fsdp(model, mesh).")
     _require_spmd("tpukit.fsdp()")
     size = _axis_size(mesh, axis)
     sizes = _xla.mesh_axes(mesh)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from . import eager, versions
 from .lazy import has_pending, pending_hlo, pending_ir
-from .loader import is_imported, torch_xla
+from .loader import imported_by, is_imported, torch_xla
 from .metrics import counter_names, counter_value, metric_data
 from .profiler import profiler_start, profiler_stop
 from .replicas import local_process_count, run_replica_process, run_single_process
@@ -69,7 +69,7 @@ from .tensors import add_step_closure, is_xla_tensor, rng_seed, set_rng_seed, te
 
 __all__ = [
     "eager", "versions",
-    "is_imported", "torch_xla",
+    "is_imported", "imported_by", "torch_xla",
     "runtime_initialized", "device", "sync", "wait_device_ops", "device_type", "device_count", "world_size",
     "process_count", "global_ordinal", "initialize_cache", "accelerator_type", "version", "memory_info",
     "metric_data", "counter_names", "counter_value",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import traceback
 from typing import Any
 
 from .. import environment
@@ -25,6 +26,7 @@ from ..errors import TorchXlaMissingError, VersionMismatchError
 from . import eager
 
 _MODULES: dict[str, Any] = {}
+_FIRST_USE: list[str] = []  # the tpukit function whose call imported torch_xla; "" if it was already imported
 
 
 def is_imported() -> bool:
@@ -32,10 +34,21 @@ def is_imported() -> bool:
     return "torch_xla" in sys.modules
 
 
+def imported_by() -> str | None:
+    """``module.function`` of the tpukit call that imported torch_xla in this process (the outermost
+    tpukit frame, e.g. ``tpukit.checkpoint.saveload.load``); ``""`` when it was imported outside
+    tpukit first; None when tpukit has not used it yet. Lets ``setup()`` say who started the runtime."""
+    return _FIRST_USE[0] if _FIRST_USE else None
+
+
 def module(name: str = "torch_xla") -> Any:
     """The torch_xla module ``name``, imported on first use."""
     mod = _MODULES.get(name)
     if mod is None:
+        if not _FIRST_USE:
+            frames = [f for f, _ in traceback.walk_stack(None) if f.f_globals.get("__name__", "").startswith("tpukit")]
+            outer = frames[-1] if frames and not is_imported() else None
+            _FIRST_USE.append(f"{outer.f_globals['__name__']}.{outer.f_code.co_name}" if outer else "")
         mod = _MODULES[name] = _import(name)
         eager.watch()
     return mod

@@ -38,15 +38,40 @@ def default_logdir() -> Path:
     return path
 
 
+_ELSEWHERE = ("Give a directory you can write to (it is created when missing), e.g. one under your home "
+              "folder or /tmp, or leave logdir out for ./tpukit-profiles/<time> under a writable working directory.")
+
+
 def _checked(logdir: Path) -> Path:
-    """``logdir`` made absolute, when it is (or can become) a directory; it is created when tracing starts."""
-    logdir = logdir.expanduser().resolve()
-    found = next(p for p in (logdir, *logdir.parents) if p.exists())
+    """``logdir`` made absolute, when it is (or can become) a directory we may write to; it is created
+    when tracing starts (:func:`_create`)."""
+    try:
+        logdir = logdir.expanduser().resolve()
+        found = next(p for p in (logdir, *logdir.parents) if p.exists())
+    except OSError as exc:  # a folder on the way that cannot be entered
+        raise TpukitError(f"tpukit.profile(logdir={str(logdir)!r}): the path cannot be reached "
+                          f"({exc.strerror or type(exc).__name__}: {exc.filename}). {_ELSEWHERE}") from None
     if not found.is_dir():
         raise TpukitError(f"tpukit.profile(logdir={str(logdir)!r}): {'that path' if found == logdir else found} is a "
-                          "file, not a directory, so the trace cannot be written there. Give a directory (it is "
-                          "created when missing), or leave logdir out for ./tpukit-profiles/<time>.")
+                          f"file, not a directory, so the trace cannot be written there. {_ELSEWHERE}")
+    if not os.access(found, os.W_OK | os.X_OK):
+        what = "that directory is" if found == logdir else f"{found}, where it would be created, is"
+        raise TpukitError(f"tpukit.profile(logdir={str(logdir)!r}): {what} not writable (read-only, or owned by "
+                          f"another user), so the trace cannot be written there. {_ELSEWHERE}")
     return logdir
+
+
+def _create(logdir: Path) -> None:
+    """Make ``logdir`` (and its parents), or say in one sentence why it cannot be made and what to do."""
+    try:
+        logdir.mkdir(parents=True, exist_ok=True)
+        probe = logdir / f".tpukit-write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise TpukitError(f"tpukit.profile(logdir={str(logdir)!r}): the trace directory cannot be created or written "
+                          f"({exc.strerror or type(exc).__name__}{f': {exc.filename}' if exc.filename else ''}). "
+                          f"{_ELSEWHERE}") from None
 
 
 class _Listener:
@@ -122,7 +147,7 @@ class Profile:
 
     def _begin(self, armed: bool = False) -> None:
         try:
-            self.logdir.mkdir(parents=True, exist_ok=True)
+            _create(self.logdir)
             _xla.profiler_start(str(self.logdir))
         except (TpukitError, OSError) as exc:
             if not armed:
