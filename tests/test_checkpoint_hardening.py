@@ -362,7 +362,8 @@ def test_a_guarded_loop_saving_a_chunked_tensor_reports_no_recompilation(tmp_pat
     import tpukit
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(3000, 800), nn.Linear(800, 600)).to(rt.device)  # 9.2 MiB: chunked
+    # Two chunked shapes (3000 x 800 and 2700 x 800, over 8 MiB each): each compiles its own chunk graphs.
+    model = nn.Sequential(nn.Embedding(3000, 800), nn.Linear(800, 2700)).to(rt.device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # its moments: the same shape, the same graph
     mgr = ck.CheckpointManager(tmp_path, keep=1, rng=False, copy_chunk=1 << 20)
     ids = torch.arange(8).reshape(2, 4).to(rt.device)

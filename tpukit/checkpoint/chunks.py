@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .. import _xla
+from .. import _xla, compiles
 
 COPY_CHUNK = 4 << 20  # default bytes per device-to-host copy of a large tensor
 WHOLE_UP_TO = 8  # a device tensor of at most this many chunks is copied whole
@@ -94,12 +94,13 @@ def _row(t: torch.Tensor, rows: int, per_row: int, i: int) -> torch.Tensor:
     body = flat if flat.numel() == rows * per_row else flat[:rows * per_row]
     index = torch.tensor([i], dtype=torch.int64, device=t.device)  # device data: one graph for every row
     selected = body.view(rows, per_row).index_select(0, index)
-    return _xla.to_cpu([selected], sync=False)[0].reshape(-1)
+    # Named as tpukit's own graph: each chunked shape compiles once, never a recompilation alarm.
+    return compiles.own(lambda: _xla.to_cpu([selected], sync=False)[0]).reshape(-1)
 
 
 def _tail(t: torch.Tensor, start: int) -> torch.Tensor:
     """The flattened data of ``t`` from element ``start`` on, on the host."""
-    return _xla.to_cpu([t.detach().reshape(-1)[start:]], sync=False)[0].contiguous()
+    return compiles.own(lambda: _xla.to_cpu([t.detach().reshape(-1)[start:]], sync=False)[0]).contiguous()
 
 
 def peak_host_bytes(sizes: list[tuple[int, bool]], chunk: int) -> int:

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from . import config
 from .classify import EXPECTED, KINDS, NEW, RECOMPILATION
-from .context import LoopContext
+from .context import LoopContext, own
 from .event import EAGER_NOTE, FORCED_CAUSE, PENDING, CompileEvent, Mark, describe
 from .frames import Frame
 from .reader import Reader, reader
 
-__all__ = ["CompileEvent", "Mark", "Frame", "LoopContext", "Reader", "describe", "reader", "configure", "trace_file",
+__all__ = ["CompileEvent", "Mark", "Frame", "LoopContext", "own", "Reader", "describe", "reader", "configure", "trace_file",
            "tracing_enabled", "compiling_now", "mark", "settled", "event_count", "events_since",
            "NEW", "EXPECTED", "RECOMPILATION", "KINDS", "PENDING", "EAGER_NOTE", "FORCED_CAUSE"]
 

@@ -34,6 +34,7 @@ from . import config
 Signature = tuple  # ((path, shape, dtype), ...) of a step's input tensors
 
 TAG = re.compile(r"^tpukit_loop_(\d+)$")
+OWN = "tpukit_own_graph"  # the frame name of graphs tpukit compiles for itself (see own())
 _IDS = itertools.count(1)
 _LOCK = threading.Lock()
 _KNOWN: dict[int, "LoopContext"] = {}  # open loops and the last ended ones (late blocks still find them)
@@ -56,6 +57,22 @@ def _size() -> int:
         return 0
 
 
+def _renamed(name: str) -> Callable[[Callable[[], Any]], Any]:
+    code = _run.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):
+        code = code.replace(co_qualname=name)
+    return types.FunctionType(code, _run.__globals__, name)
+
+
+_own = _renamed(OWN)
+
+
+def own(fn: Callable[[], Any]) -> Any:
+    """Call ``fn`` under a frame named :data:`OWN`: a graph it compiles is tpukit's own work (a
+    checkpoint's chunked copy from the device), never an alarm of the user's loop."""
+    return _own(fn)
+
+
 class LoopContext:
     """One loop's classifier context: its declared shapes, the batch of each step it traces, and
     ``hint``: what to change in *this* loop when its batches change shape (None: the generic hint).
@@ -74,11 +91,7 @@ class LoopContext:
         self._inputs: deque[tuple[int, Signature | None]] = deque(maxlen=32)
         self.opened_at: int | None = None  # trace-file offsets while the loop was open
         self.closed_at: int | None = None
-        name = f"tpukit_loop_{self.id}"
-        code = _run.__code__.replace(co_name=name)
-        if hasattr(code, "co_qualname"):
-            code = code.replace(co_qualname=name)
-        self._tagged = types.FunctionType(code, _run.__globals__, name)
+        self._tagged = _renamed(f"tpukit_loop_{self.id}")
 
     def note_inputs(self, signature: Signature | None) -> None:
         """The batch of the step about to be traced (``((path, shape, dtype), ...)``)."""

@@ -309,9 +309,12 @@ class Reader:
             place += ((read.filename, read.line),) if read is not None else ()
             if loop is not None and loop.thread_key is not None:
                 place = (loop.thread_key,) + place  # a parallel replica compares with itself only
-            found = self.classifier.classify(place, graph, loop.inputs_at(ev.offset) if loop else None,
-                                             (ev.inputs, ev.outputs), loop.declared if loop else frozenset(),
-                                             loop.hint if loop else None)
+            if any(f.function == context.OWN for f in ev.frames):  # tpukit's own graph: never an alarm
+                found = classify.Finding(classify.NEW, ("tpukit's own copy from the device (a checkpoint chunk)",))
+            else:
+                found = self.classifier.classify(place, graph, loop.inputs_at(ev.offset) if loop else None,
+                                                 (ev.inputs, ev.outputs), loop.declared if loop else frozenset(),
+                                                 loop.hint if loop else None)
             hint = classify.forced_hint(read) if ev.forced and found.kind == classify.NEW else found.hint
             self._events[i] = dataclasses.replace(ev, kind=found.kind, evidence=found.evidence, hint=hint,
                                                   graph=graph, recompilation=found.kind == classify.RECOMPILATION)
