@@ -17,6 +17,7 @@ import threading
 
 import _diag_loops as loops
 import pytest
+import torch
 
 import tpukit
 from tpukit import compiles, events
@@ -248,6 +249,7 @@ class Estimates:
         got.append([ev.index, ev.kind, est.target, est.fits, est.hbm_bytes, est.compile_s, est.flops])
 
 events.add_listener(Estimates())
+dash = tpukit.dashboard(mode="text", show=False)
 model = torch.nn.Linear(64, 32).to(rt.device)
 opt = torch.optim.AdamW(model.parameters())
 tracker = tpukit.track([torch.randn(8, 64) for _ in range(3)], progress=False)
@@ -260,6 +262,9 @@ deadline = time.time() + 180
 while tpukit.tpu.follower().pending() and time.time() < deadline:
     time.sleep(0.2)
 events_ = [e.index for r in tracker.history for e in r.compile_events]
+from tpukit.widgets import render
+shown = render.text_report(dash.view())
+dash.close()
 
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
@@ -269,7 +274,7 @@ out = io.StringIO()
 with contextlib.redirect_stdout(out):
     shell.run_cell("%%xla --target v5e-8\\nimport torch\\ny = (torch.ones(16, 16, device='xla') @ torch.ones(16, 16, device='xla')).sum()\\n")
 print("RESULT " + json.dumps({"target": rt.target, "got": got, "events": events_, "cell": out.getvalue(),
-                              "report": rt.report()}))
+                              "report": rt.report(), "dashboard": shown}))
 """
 
 
@@ -292,6 +297,8 @@ def test_with_a_target_every_graph_is_compiled_for_it_in_the_background():
         assert target == "v5e-1" and fits and compile_s > 0
         assert hbm >= parameters  # the step's graph holds at least the parameters on the chip
     assert max(g[6] for g in got) >= 2 * 8 * 64 * 32  # the forward matmul's FLOPs at least
+    shown = [ln for ln in out["dashboard"].splitlines() if "on the target TPU:" in ln]
+    assert 1 <= len(shown) <= len({g[0] for g in got}) and all("v5e-1: fits" in ln for ln in shown), out["dashboard"]
     cell = out["cell"]
     assert "%%xla --target v5e-8: each graph compiled by the TPU compiler" in cell, cell
     assert "v5e-8: fits" in cell and "HBM per chip" in cell, cell

@@ -123,6 +123,15 @@ class Dashboard:
         except Exception as exc:
             self._fail(exc, "on_compile")
 
+    def on_tpu_estimate(self, event: Any, estimate: Any) -> None:
+        """Consume what the TPU compiler says about a compile's graph on the target TPU."""
+        if self.disabled:
+            return
+        try:
+            self.state.add_estimate(event, estimate)
+        except Exception as exc:
+            self._fail(exc, "on_tpu_estimate")
+
     def on_track_start(self, tracker: Any) -> None:
         """A tracked loop begins (track() has armed the step hook itself)."""
         self.state.track_started(tracker)

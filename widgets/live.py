@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-PARTS = ("header", "now", "verdict", "counters", "alerts", "graphs", "fallbacks")
+PARTS = ("header", "now", "verdict", "counters", "alerts", "graphs", "tpu", "fallbacks")
 REPR = "tpukit dashboard (live widgets; replaced by its report when the tracked loop ends)"
 
 
@@ -31,7 +31,7 @@ class LiveView:
         children = [h["header"], h["now"], h["verdict"], h["counters"]]
         if self.image is not None:
             children.append(self.image)
-        children += [h["alerts"], h["graphs"], h["fallbacks"]]
+        children += [h["alerts"], h["graphs"], h["tpu"], h["fallbacks"]]
         self.box = DashboardBox(children, layout=widgets.Layout(border="1px solid #e5e7eb", padding="4px 8px"))
         # Stable CSS classes (ipywidgets 7 and 8) so the page can be styled and tested.
         self.box.add_class("tpukit-dashboard")

@@ -68,6 +68,7 @@ class DashboardState:
         self._max_event = -1
         self._n_events = 0
         self._eager_places: dict[str, None] = {}  # "op at line" of eager-mode compiles, in order
+        self._tpu: dict[str, tuple[str, Any]] = {}  # graph -> (its name, the target TPU's estimate)
         self._pending: dict[int, Any] = {}  # index -> a started compile whose finished version has not come
         self._alerts: deque = deque(maxlen=max_alerts)
         self._graphs: deque = deque(maxlen=max_alerts)
@@ -172,6 +173,13 @@ class DashboardState:
                     if a.index == ev.index and a.step != known:
                         rows[i] = Compile(ev, known, a.time)
 
+    def add_estimate(self, event: Any, estimate: Any) -> None:
+        """What the TPU compiler says about ``event``'s graph on the target TPU (one row per graph)."""
+        if getattr(event, "host", 0):
+            return
+        with self._lock:
+            self._tpu.setdefault(event.graph_hash or str(event.index), (event.name, estimate))
+
     def _compiling(self) -> Any:
         """The latest compile that started and has not finished (None: none); under the lock."""
         return self._pending[max(self._pending)] if self._pending else None
@@ -252,7 +260,7 @@ class DashboardState:
             alerts, graphs, counts = tuple(self._alerts), tuple(self._graphs), dict(self._counts)
             n_steps, last_step, n_events = self._n_steps, self._last_step, self._n_events
             scalars, note, record_batch = dict(self._last_scalars), self.note, self._record_batch
-            tracker, eager_places = self._tracker, tuple(self._eager_places)
+            tracker, eager_places, tpu = self._tracker, tuple(self._eager_places), tuple(self._tpu.values())
             tracked, loop_done = tracker is not None, getattr(tracker, "finished", None) is not None
         # Step records cover syncs; the metrics delta covers everything since the
         # dashboard opened but is sampled less often. The larger is the fresher.
@@ -278,7 +286,7 @@ class DashboardState:
                     alerts_total=counts[RECOMPILATION], note=note, new_graphs=counts[NEW],
                     expected=counts[EXPECTED], graphs=graphs, verdict=verdict, settled_after=settled,
                     tracked=tracked, loop_done=loop_done, eager_compiles=s["eager_compiles"],
-                    eager_places=eager_places)
+                    eager_places=eager_places, tpu=tpu)
 
     def timeline(self) -> Timeline:
         """Copies of the per-step columns and scalar curves for the plot."""

@@ -13,7 +13,7 @@ import base64
 import html
 from typing import Any
 
-from tpukit import cache
+from tpukit import cache, tpu
 from tpukit._text import plural, seconds, table_html
 from tpukit.compiles import RECOMPILATION
 
@@ -202,6 +202,25 @@ def graphs_html(v: View) -> str:
             + table_html(graph_rows(v), head=("step", "kind", "graph", "what is new")) + "</div>")
 
 
+def tpu_rows(v: View) -> list[tuple[str, ...]]:
+    """(graph, fits, HBM per chip of the limit, TPU compile, step floor) per graph compiled for the target."""
+    return [(name, "yes" if e.fits else "NO", f"{tpu.gb(e.hbm_bytes)} of {tpu.gb(e.hbm_limit_bytes)}",
+             f"{e.compile_s:.1f} s" if e.fits else "-",
+             f"{e.step_s_min * 1e3:.3g} ms ({e.bound})" if e.fits else (e.message or "").splitlines()[0][:120])
+            for name, e in v.tpu]
+
+
+def tpu_html(v: View) -> str:
+    """Each graph compiled for the target TPU by the real TPU compiler: does it fit, how long it compiles."""
+    if not v.tpu:
+        return ""
+    target = v.tpu[0][1].target
+    bad = any(not e.fits for _, e in v.tpu)
+    title = (f"<div style='color:{BAD if bad else MUTED}'><b>on a {_e(target)}</b> (the TPU compiler's answer, "
+             f"ahead of time, per chip)</div>")
+    return title + table_html(tpu_rows(v), head=("graph", "fits", "HBM per chip", "TPU compile", "step at best"))
+
+
 def compile_text(c: Compile) -> str:
     """One listed compile as a line: ``recompilation at step 3: step graph at cell [7] line 5 (3 -> 2):
     input_ids: (8, 16) -> (8, 24). Bucket or pad ... [graph a1b2c3d4]``: the parts
@@ -263,6 +282,7 @@ def text_report(v: View, runtime: Any = None, summary: bool = True) -> str:
     if v.alerts_total > len(v.alerts):
         lines.append(f"  ... {plural(v.alerts_total - len(v.alerts), 'earlier recompilation')} not shown")
     lines += [f"  {compile_text(g)}" for g in v.graphs]
+    lines += [f"  on the target TPU: {name}: {tpu.line(e)}" for name, e in v.tpu]
     for op, n in sorted(v.fallbacks.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"  CPU fallback {op} x{n}")
     return "\n".join(lines)
@@ -282,4 +302,4 @@ def report_html(v: View, runtime: Any, tracing: bool, png: bytes | None = None) 
     return ("<div class='tpukit-report'>" + header_html(runtime, tracing, title="tpukit report")
             + verdict_html(v) + table_html([(_e(k), _counter_value(v, k, val)) for k, val in counter_rows(v)], raw=True)
             + (image_html(png) if png else "")
-            + alerts_html(v) + graphs_html(v) + fallbacks_html(v) + "</div>")
+            + alerts_html(v) + graphs_html(v) + tpu_html(v) + fallbacks_html(v) + "</div>")

@@ -113,6 +113,7 @@ class WidgetsFrontEnd(FrontEnd):
                      "counters": render.counters_html(view),
                      "alerts": render.alerts_html(view),
                      "graphs": render.graphs_html(view),
+                     "tpu": render.tpu_html(view),
                      "fallbacks": render.fallbacks_html(view)}
             changed = {k: v for k, v in parts.items() if self._last_parts.get(k) != v}
             png = None

@@ -115,6 +115,7 @@ class View:
     loop_done: bool = False      # ... and it has ended
     eager_compiles: int = 0      # of ``compiles``: eager mode's per-op compiles (each also an event)
     eager_places: tuple = ()     # their ops and lines, first seen first: ("linear at train.py:12 in step", ...)
+    tpu: tuple = ()              # (graph name, TpuEstimate) per distinct graph, first compiled first
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from .estimate import BatchFit, estimate, largest_batch
 from .follow import Follower, follow, follower, line
 from .follow import Follower, follow, follower, line
 from .graphs import bucket_costs, compile_graph, compile_graph_async
-from .record import Suggestion, TpuCompileError, TpuEstimate
+from .record import Suggestion, TpuCompileError, TpuEstimate, gb
 from .targets import TARGETS, Chip, Target, TargetError, default_target, target
 from .worker import (TpuCompilerMissingError, WorkerError, available, cache_dir, cache_info, check, require, stop, versions,
                      worker_pid)
@@ -24,5 +24,5 @@ __all__ = [
     "estimate", "largest_batch", "BatchFit", "TpuEstimate", "Suggestion", "compile_graph", "compile_graph_async",
     "bucket_costs", "target", "TARGETS", "Target", "Chip", "default_target", "available", "versions",
     "cache_dir", "cache_info", "worker_pid", "stop", "TargetError", "TpuCompileError", "TpuCompilerMissingError",
-    "WorkerError", "Follower", "follow", "follower", "line", "require",
+    "WorkerError", "Follower", "follow", "follower", "line", "require", "gb",
 ]
