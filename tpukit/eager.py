@@ -5,7 +5,7 @@ them itself: while eager mode is on (``_xla.eager.follow`` reports the switch),
 a ``TorchFunctionMode`` sits on the torch-function stack of the thread that
 switched it on and reads the runtime's compile counter around each torch call.
 When the counter moved, the call compiled: each compile is published through
-:meth:`compiles.CompileLog.add_seen` as ``eager op <name>`` at the innermost user
+:meth:`compiles.Reader.add_seen` as ``eager op <name>`` at the innermost user
 frame, classified by place (first compile of the op there: a new graph; the
 same op there again with other input shapes: a recompilation naming them, or
 expected when the shapes were declared). When eager mode is off the mode is
@@ -20,7 +20,7 @@ import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from . import _ipython, _tree, _xla, compiles, metrics
-from .frames import Frame
+from .compiles import Frame
 
 _COUNTER = "UncachedCompile"  # every compile, eager ones included; 0.2 us to read
 
@@ -86,7 +86,7 @@ class EagerOps(TorchFunctionMode):
             rank = rank + 1 if run == self._run else 0
             self._seen[key] = (self._run, rank)
             end, seconds = samples[k] if len(samples) == n else (samples[-1] if samples else (0.0, 0.0))
-            compiles.log().add_seen(f"eager op {name}", tuple(frames), (len(tensors), len(results)), key + (rank,),
+            compiles.reader().add_seen(f"eager op {name}", tuple(frames), (len(tensors), len(results)), key + (rank,),
                                     inputs, end - seconds, end)
 
 
