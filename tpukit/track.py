@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Any, Iterable, Iterator
 
-from . import _tree, _xla, compiles, events, steps
+from . import _tree, _xla, compiles, events, steps, tpu
 from .guards import StepGuard
 from .spmd import device_loader
 from .steps import StepRecord
@@ -247,7 +247,9 @@ class Tracker:
     def summary(self) -> dict:
         """Steps, compiles by kind (eager mode's per-op compiles among them, also counted apart with
         their ops and lines), when the loop settled, median step time, the bottleneck with its
-        measured shares, and the last scalars of the loop."""
+        measured shares, the last scalars of the loop, and with a target TPU (``setup(target=...)``)
+        ``"tpu"``: per graph of the loop, what the TPU compiler said (waiting up to a minute for the
+        answers still on their way; None when no target is set)."""
         h = self.history
         steady = [r.wall for r in h if r.compiles == 0] or [r.wall for r in h]
         kinds = [e.kind for r in h for e in r.compile_events]
@@ -269,7 +271,23 @@ class Tracker:
             "shares": dict(v.shares) if v else {},
             "verdict": f"{v.sentence}; {v.suggestion}" if v else None,
             "last_scalars": dict(h[-1].scalars) if h else {},
+            "tpu": _tpu_rows([e for r in h for e in r.compile_events]),
         }
+
+
+def _tpu_rows(found: list) -> list[dict] | None:
+    """What the target TPU's compiler said about each graph of ``found`` (None: no target is set)."""
+    follower = tpu.follower()
+    if follower is None:
+        return None
+    rows = []
+    for ev, est in follower.estimates_for(found):
+        row = {"graph": ev.name, "target": follower.target.name, "answered": est is not None}
+        if est is not None:
+            row.update(fits=est.fits, hbm_bytes=est.hbm_bytes, hbm_limit_bytes=est.hbm_limit_bytes,
+                       compile_s=est.compile_s, step_s_min=est.step_s_min, bound=est.bound, message=est.message)
+        rows.append(row)
+    return rows
 
 
 def _progress_bar(total: int | None, desc: str | None):

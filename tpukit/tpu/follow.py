@@ -40,6 +40,7 @@ class Follower:
         self._by_graph: dict[str, TpuEstimate] = {}
         self._of_event: dict[int, TpuEstimate] = {}
         self._waiting: dict[str, list[Any]] = {}
+        self._done_cond = threading.Condition(self._lock)
 
     def on_compile(self, event: Any) -> None:
         graph = getattr(event, "graph", None)
@@ -69,6 +70,8 @@ class Follower:
             waiting = self._waiting.pop(key, [])
         for event in waiting:
             self._publish(event, est)
+        with self._lock:
+            self._done_cond.notify_all()
 
     def _publish(self, event: Any, est: TpuEstimate) -> None:
         with self._lock:
@@ -79,6 +82,22 @@ class Follower:
         """The estimate of ``event``'s graph once the TPU compiler answered, else None."""
         with self._lock:
             return self._of_event.get(event.index)
+
+    def estimates_for(self, events_: list[Any], timeout: float = 60.0) -> list[tuple[Any, TpuEstimate | None]]:
+        """``(event, estimate)`` for each distinct graph among ``events_`` that was sent to the TPU
+        compiler, waiting at most ``timeout`` seconds for the answers still on their way (None then)."""
+        import time
+
+        sent = {}
+        for ev in events_:
+            graph = getattr(ev, "graph", None)
+            if graph is not None and graph.proto is not None:
+                sent.setdefault(ev.graph_hash or graph.structure, ev)
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while any(k in self._waiting for k in sent) and time.monotonic() < deadline:
+                self._done_cond.wait(min(0.5, max(0.0, deadline - time.monotonic())))
+            return [(ev, self._by_graph.get(k)) for k, ev in sent.items()]
 
     def pending(self) -> int:
         """Graphs sent to the TPU compiler that have not answered yet."""
