@@ -331,3 +331,53 @@ def test_setup_after_torch_xla_was_used_warns_each_problem():
     for what in ("Compile causes are unavailable", "spmd=True could not be applied", "cpu_devices=4 was requested"):
         assert what in text
     assert "by code outside tpukit" in text and text.count("Restart the kernel") == 3
+
+
+# ------------------------------------------------------------------ track()
+
+@pytest.mark.parametrize("shapes", ["nonsense", 3.5, {"input_ids": 16}, [None], [-1, 0], [(2, "a")], [True]])
+def test_track_refuses_shapes_it_cannot_declare(shapes):
+    with pytest.raises((TypeError, ValueError)) as err:
+        tpukit.track([torch.ones(2)], shapes=shapes, progress=False)
+    assert "track(shapes=...) takes a list of sequence lengths" in str(err.value)
+
+
+def test_track_takes_lengths_and_shapes():
+    tracker = tpukit.track([torch.ones(2)], shapes=[16, (8, 32), [4, 4]], progress=False)
+    assert tracker.declared == frozenset({16, (8, 32), (4, 4)})
+
+
+@pytest.mark.parametrize("guard, says", [(tpukit.no_recompile_after, "must be called"), ("strict", "not a step guard")])
+def test_track_refuses_a_guard_before_any_step_runs(guard, says):
+    ran = []
+    with pytest.raises(TypeError) as err:
+        for x in tpukit.track([1, 2], guard=guard, progress=False):
+            ran.append(x)
+    assert says in str(err.value) and "no_recompile_after(" in str(err.value) and ran == []
+
+
+def test_a_loop_left_by_break_closes_like_one_that_ran_out(rt):
+    """Leaving after 3 of 8 steps: 3 records, the last one synced with its logged value, the loop
+    finished (its report shown, on_track_end called)."""
+    ended = []
+
+    class Ends:
+        def on_track_end(self, tracker):
+            ended.append(tracker)
+
+    listener = Ends()
+    tpukit.add_listener(listener)
+    try:
+        w = torch.zeros(4, device=rt.device)
+        tracker = tpukit.track([torch.full((4,), float(i)) for i in range(8)], progress=False)
+        for step, x in enumerate(tracker, 1):
+            w = w + x
+            tpukit.log(total=w.sum())
+            if step == 3:
+                break
+    finally:
+        tpukit.remove_listener(listener)
+    assert [r.step for r in tracker.history] == [1, 2, 3]
+    assert [r.scalars.get("total") for r in tracker.history] == [0.0, 4.0, 12.0]
+    assert tracker.finished is not None and ended == [tracker]
+    assert tracker.summary()["steps"] == 3

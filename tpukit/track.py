@@ -10,6 +10,7 @@ per device) never share anything but the listener registry.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import statistics
 import time
@@ -22,6 +23,7 @@ from .steps import StepRecord
 from .verdict import Verdict, bottleneck
 
 _END = object()
+log = logging.getLogger("tpukit")
 
 
 def batch_size_of(batch: Any) -> int | None:
@@ -38,10 +40,22 @@ def input_signature(batch: Any) -> tuple:
                  for path, t in _tree.tree_leaves(batch, lambda x: hasattr(x, "shape") and hasattr(x, "dtype")))
 
 
+def _positive(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
 def declared_shapes(iterable: Any, shapes: Any) -> frozenset:
     """The shapes (tuples) or lengths (ints) a loop declares: ``track(shapes=...)`` or a
-    ``BucketBatcher``'s bucket lengths."""
+    ``BucketBatcher``'s bucket lengths. Anything else is refused with what to pass."""
+    usage = ("track(shapes=...) takes a list of sequence lengths (positive ints, e.g. [16, 32, 64]) or of "
+             "input shapes (tuples of positive ints, e.g. [(8, 16), (8, 32)])")
+    if shapes is not None and (isinstance(shapes, (str, bytes, dict)) or not hasattr(shapes, "__iter__")):
+        raise TypeError(f"{usage}; got {shapes!r}.")
     found = list(shapes or ())
+    for s in found:
+        ok = _positive(s) or (isinstance(s, (tuple, list)) and len(s) > 0 and all(_positive(d) for d in s))
+        if not ok:
+            raise ValueError(f"{usage}; {s!r} is neither.")
     found += list(getattr(iterable, "buckets", None) or ())
     return frozenset(tuple(s) if isinstance(s, (tuple, list)) else int(s) for s in found)
 
@@ -68,7 +82,7 @@ class Tracker:
         self.mesh = mesh
         self.progress = progress
         self.desc = desc
-        self.guard = guard
+        self.guard = _checked_guard(guard)
         self.batch_size = batch_size
         self.history: list[StepRecord] = []
         self.dashboard = None
@@ -113,12 +127,28 @@ class Tracker:
                     if not on_device:
                         batch = to_device(batch, self.device)
                     self.before_step(batch, input_time=clk() - t0)
-                    yield batch
+                    try:
+                        yield batch
+                    except GeneratorExit:  # the loop ended early (break, return, an exception)
+                        completed = self._end_early()
+                        raise
                     self.after_step()
                 self._finish()
             completed = True
         finally:
             self._close(completed)
+
+    def _end_early(self) -> bool:
+        """Close a loop left before its iterable ran out like one that ran out: its last step synced
+        and recorded with its logged values, the device waited for, the report shown. The loop may
+        have been left by an exception (a generator cannot tell), so nothing here raises."""
+        try:
+            self.after_step()
+            self._finish()
+            return True
+        except Exception as exc:  # e.g. the step that raised left a graph that cannot run
+            log.warning("tpukit: the tracked loop ended early and its last step could not be recorded: %s", exc)
+            return False
 
     # ------------------------------------------------------------------ the manual-step API
     # ``for batch in tracker`` is begin(), before_step()/after_step() around each yielded
@@ -273,6 +303,18 @@ class Tracker:
             "last_scalars": dict(h[-1].scalars) if h else {},
             "tpu": _tpu_rows([e for r in h for e in r.compile_events]),
         }
+
+
+def _checked_guard(guard: Any) -> Any:
+    """``guard`` if it is one (an object with ``check(record)``), refused before the loop starts otherwise."""
+    if guard is None or callable(getattr(guard, "check", None)):
+        return guard
+    name = getattr(guard, "__name__", None)
+    if name in ("no_recompile_after", "StepGuard"):
+        raise TypeError(f"guard=tpukit.{name} must be called: guard=tpukit.no_recompile_after(2) "
+                        "(the number of warm-up steps allowed to compile).")
+    raise TypeError(f"guard={guard!r} is not a step guard; pass guard=tpukit.no_recompile_after(N), "
+                    "which raises on a recompilation after N warm-up steps.")
 
 
 def _tpu_rows(found: list) -> list[dict] | None:
