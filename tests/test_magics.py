@@ -303,12 +303,13 @@ def test_a_closing_sync_without_its_cell_on_the_stack_gets_no_verdict():
               compiles.Frame("<module>", "<decorator-gen-12>", 2))
     ev = compiles.CompileEvent(index=4, start=0.0, end=0.5, cause="user torch_xla.sync", graph_hash="ab" * 16,
                                inputs=1, outputs=1, frames=frames, recompilation=True, hint="pad it",
-                               kind="recompilation", evidence=("input 0: f32[2] -> f32[3]",))
+                               kind="recompilation", evidence=("input 0: f32[2] -> f32[3]",), offset=400)
     delta = types.SimpleNamespace(compiles=1)
-    (line,) = _magic_cells._cell_event_lines([ev], 4, 9, delta)
+    sync_from = compiles.Mark(size=300)  # the closing sync started after this point of the trace
+    (line,) = _magic_cells._cell_event_lines([ev], sync_from, 9, delta)
     assert line == "  compile: step graph at the end of cell [9] (the sync %%xla adds) (1 -> 1), 0.5 s [graph abababab]"
     inside = dataclasses.replace(ev, frames=frames + (compiles.Frame("<module>", "cell", 1, cell="[9]"),))
-    (line,) = _magic_cells._cell_event_lines([inside], 4, 9, delta)
+    (line,) = _magic_cells._cell_event_lines([inside], sync_from, 9, delta)
     assert line.startswith("  recompilation: ")
     assert line.endswith(": input 0: f32[2] -> f32[3]. Pad it [graph abababab]")
 

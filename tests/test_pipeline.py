@@ -12,6 +12,7 @@ All on the real torch_xla runtime (XLA:CPU); nothing here is mocked.
 """
 
 import collections
+import itertools
 import sys
 import threading
 
@@ -55,8 +56,49 @@ def counter(rt):
     events.remove_listener(c)
 
 
+_SIZES = itertools.count(40)  # each test's model sizes are new: its graphs compile here, not in a cache
+
+
+def _guide_loop():
+    """The guide's "Running on a Single XLA Device" loop (as tests/_diag_loops.py has it), at sizes no
+    other test compiled, so its graphs compile now."""
+    import torch_xla.core.xla_model as xm
+    from torch.utils.data import DataLoader, TensorDataset
+
+    n_in = next(_SIZES)
+    device = xm.xla_device()
+    model = loops.MNIST(n_in, 23, 5).train().to(device)
+    loss_fn = torch.nn.NLLLoss()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.5)
+    train_loader = DataLoader(TensorDataset(torch.randn(32, n_in), torch.randint(0, 5, (32,))), batch_size=8)
+    tracker = tpukit.track(train_loader, progress=False)
+    for data, target in tracker:
+        optimizer.zero_grad()
+        data = data.to(device)
+        target = target.to(device)
+        output = model(data)
+        loss = loss_fn(output, target)
+        loss.backward()
+        optimizer.step()
+        xm.mark_step()
+    return tracker
+
+
+def _dynamic_padding_loop():
+    """Batches whose length changes every step (what dynamic padding gives), at new sizes."""
+    width = next(_SIZES)
+    model = torch.nn.Linear(width, 3).to("xla")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = tpukit.track([{"input_ids": torch.randn(4, n, width)} for n in (5, 7, 9, 11)], progress=False)
+    for batch in tracker:
+        model(batch["input_ids"]).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return tracker
+
+
 def test_each_compile_reaches_a_listener_at_most_twice_on_the_guides_loop(counter):
-    tracker = loops.guide_single_device()
+    tracker = _guide_loop()
     final = counter.check()
     recorded = [e for r in tracker.history for e in r.compile_events]
     assert recorded and all(final[e.index] is e for e in recorded)  # the reader's own objects, no copies
@@ -72,7 +114,7 @@ def _decoder_style_loop(steps: int = 4):
     import torch_xla.distributed.parallel_loader as pl
     import torch_xla.utils.utils as xu
 
-    vocab, seq, batch = 64, 16, 4
+    vocab, seq, batch = 64 + next(_SIZES), 16, 4  # a vocabulary no other test compiled
 
     class Decoder(torch.nn.Module):
         def __init__(self):
@@ -169,7 +211,7 @@ def test_one_reader_reads_the_trace_and_the_dump_and_the_dashboard_never_classif
     try:
         dash = Dashboard(mode="widgets", show=False, plot=False)
         try:
-            tracker = loops.dynamic_padding()
+            tracker = _dynamic_padding_loop()
         finally:
             dash.close()
     finally:

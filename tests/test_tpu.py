@@ -158,12 +158,13 @@ def test_the_same_graph_is_compiled_once(rt):
 
 
 def test_the_compiler_runs_in_its_worker_never_here(rt):
+    jax_here = "jax" in sys.modules  # another test's library (transformers) may have imported jax itself
     model = mlp(64, 64)
     tpukit.estimate(train_step(model, torch.optim.SGD(model.parameters(), lr=0.1)),
                     torch.randn(4, 64, device=_xla.device()), target="v5e-1")
     pid = tpu.worker_pid()
     assert pid is not None and pid != os.getpid()
-    assert "jax" not in sys.modules and "jaxlib" not in sys.modules
+    assert ("jax" in sys.modules) == jax_here  # an estimate imports no jax here
     with open("/proc/self/maps") as maps:
         assert "libtpu" not in maps.read()
     with open(f"/proc/{pid}/maps") as maps:

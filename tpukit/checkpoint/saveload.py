@@ -121,7 +121,8 @@ def preflight(state: Any, target: Path, copy_chunk: int = COPY_CHUNK) -> None:
             f"Cannot save {target.name}: {target.parent} is on a read-only file system. Nothing was written; "
             "save to a writable directory (or remount it read-write)."
         )
-    if not os.access(target.parent, os.W_OK):
+    existing = next((p for p in (target.parent, *target.parent.parents) if p.exists()), target.parent)
+    if not os.access(existing, os.W_OK):  # a folder another process has not made yet: its nearest parent
         raise CheckpointError(
             f"Cannot save {target.name}: this user may not write in {target.parent}. Nothing was written; "
             "fix its permissions or save to a directory you own."
