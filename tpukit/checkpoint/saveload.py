@@ -116,20 +116,21 @@ def preflight(state: Any, target: Path, copy_chunk: int = COPY_CHUNK) -> None:
     ``copy_chunk`` pieces of device tensors, the largest CPU tensor). A sharded
     save holds one tensor's local shards at a time, so the check is conservative.
     """
-    if read_only(target.parent):
+    # A sharded save's folder may not exist yet on this host (host 0 makes it): judge its nearest parent.
+    existing = next((p for p in (target.parent, *target.parent.parents) if p.exists()), target.parent)
+    if read_only(existing):
         raise CheckpointError(
             f"Cannot save {target.name}: {target.parent} is on a read-only file system. Nothing was written; "
             "save to a writable directory (or remount it read-write)."
         )
-    existing = next((p for p in (target.parent, *target.parent.parents) if p.exists()), target.parent)
-    if not os.access(existing, os.W_OK):  # a folder another process has not made yet: its nearest parent
+    if not os.access(existing, os.W_OK):
         raise CheckpointError(
             f"Cannot save {target.name}: this user may not write in {target.parent}. Nothing was written; "
             "fix its permissions or save to a directory you own."
         )
     total, peak = payload_bytes(state, copy_chunk)
     need = int(total * 1.01) + (64 << 10)
-    free = shutil.disk_usage(target.parent).free
+    free = shutil.disk_usage(existing).free
     if free < need:
         raise CheckpointError(
             f"Not enough disk space to save {target.name}: it needs about {_gib(need)} in {target.parent}, which "
