@@ -21,7 +21,7 @@ from .errors import (
 )
 from .checkpoint import CheckpointManager, Manifest, export_pretrained, load, save, verify
 from .compiles import CompileEvent, compiling_now
-from .events import add_listener, remove_listener
+from .events import remove_listener
 from .guards import expect_compiles, no_recompile_after
 from .launch import launch
 from .localslice import LocalSlice
@@ -32,7 +32,7 @@ from .profile import Profile, ProfileSummary, profile
 from .runtime import Runtime, rank, setup
 from .spmd import device_loader, fsdp, mesh, shard_batch, sharding_spec
 from .tpu import TpuEstimate, estimate, largest_batch
-from .steps import StepRecord, log, on_step
+from .steps import StepRecord, add_listener, log, on_step
 from .track import Tracker, dashboard, track
 from . import events, widgets  # the notebook UI (imports no UI library)
 from . import data  # noqa: F401 (tpukit.data.bert_mask(...) after `import tpukit`: batching and the bucket advisor)

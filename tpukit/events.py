@@ -30,8 +30,6 @@ HOOKS = ("on_step", "on_compile", "on_track_start", "on_track_end", "on_tpu_esti
 
 _LOCK = threading.RLock()
 _LISTENERS: list[Any] = []
-# Called with each newly added listener (steps arms its sync hook from here).
-_ADD_WATCHERS: list[Callable[[Any], None]] = []
 # Builds a live dashboard: tpukit/__init__.py sets it to tpukit.widgets.open_view (the core cannot import the UI).
 _DASHBOARD_FACTORY: list[Callable[..., Any]] = []
 
@@ -46,9 +44,6 @@ def add_listener(listener: Any) -> Any:
         if listener in _LISTENERS:
             return listener
         _LISTENERS.append(listener)
-        watchers = list(_ADD_WATCHERS)
-    for w in watchers:
-        w(listener)
     return listener
 
 
@@ -99,13 +94,6 @@ def _name(listener: Any) -> str:
     return repr(listener)
 
 
-def when_added(fn: Callable[[Any], None]) -> None:
-    """Have ``fn(listener)`` called for every listener added from now on (kept by ``_reset``)."""
-    with _LOCK:
-        if fn not in _ADD_WATCHERS:
-            _ADD_WATCHERS.append(fn)
-
-
 def set_dashboard_factory(factory: Callable[..., Any]) -> None:
     """Register how to build a live dashboard (``tpukit/__init__.py`` registers ``tpukit.widgets.open_view``)."""
     with _LOCK:
@@ -123,6 +111,6 @@ def open_dashboard(**options: Any) -> Any:
 
 
 def _reset() -> None:
-    """Forget every listener (for tests); the add watchers and the dashboard factory stay."""
+    """Forget every listener (for tests); the dashboard factory stays."""
     with _LOCK:
         _LISTENERS.clear()
