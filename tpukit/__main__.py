@@ -12,13 +12,12 @@ import re
 import sys
 from pathlib import Path
 
+from . import environment, runtime
 from .errors import TpukitError
 
 
 def doctor(as_json: bool = False, device: str = "auto", cpu_devices: int | None = None) -> int:
     """Print the runtime report; return 0 when usable, 1 when something blocks use."""
-    from . import environment, runtime
-
     env = environment.inspect()
     try:
         rt = runtime.setup(device=device, cpu_devices=cpu_devices)

@@ -7,6 +7,7 @@ Every module that touches "a tensor or a nested dict/list/tuple of them"
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
@@ -57,7 +58,5 @@ def tree_leaves(obj: Any, is_leaf: Callable[[Any], bool], path: str = "") -> Ite
 
 def is_tensor(obj: Any) -> bool:
     """True for a torch.Tensor (checked without importing torch when it is not loaded)."""
-    import sys
-
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)

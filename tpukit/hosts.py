@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import datetime
 import os
 import queue
 import socket
@@ -96,7 +97,6 @@ def process_group(backend: str = "gloo", timeout_s: float = 300.0) -> Host:
     if not host.coordinator:
         raise SliceError("this host does not know host 0's address (MASTER_ADDR is not set): call "
                          "process_group() inside a function run by tpukit.run_on_slice.")
-    import datetime
 
     port = int(os.environ.get(GROUP_PORT_ENV, DEFAULT_GROUP_PORT))
     dist.init_process_group(backend, init_method=f"tcp://{host.coordinator}:{port}", rank=host.index,

@@ -7,6 +7,7 @@ widgets or text. Nothing here imports ipywidgets, matplotlib or IPython.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -71,6 +72,4 @@ def widgets_available() -> bool:
     """True when ipywidgets can be imported (checked without importing it twice)."""
     if "ipywidgets" in sys.modules:
         return True
-    import importlib.util
-
     return importlib.util.find_spec("ipywidgets") is not None

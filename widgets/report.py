@@ -11,6 +11,7 @@ text. IPython is imported only here, only when something is displayed.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from tpukit import _ipython
@@ -87,8 +88,6 @@ def show(obj: Any) -> Slot | None:
 
 def _is_ipywidgets7_widget(obj: Any) -> bool:
     """True for a widget of ipywidgets 7 (its own display path drops the display id)."""
-    import sys
-
     ipw = sys.modules.get("ipywidgets")
     if ipw is None or not str(getattr(ipw, "__version__", "8")).startswith("7."):
         return False

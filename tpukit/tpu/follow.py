@@ -12,6 +12,7 @@ whoever listens (the dashboard, ``%%xla``, a tracked loop's summary). The same g
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from .. import events
@@ -86,8 +87,6 @@ class Follower:
     def estimates_for(self, events_: list[Any], timeout: float = 60.0) -> list[tuple[Any, TpuEstimate | None]]:
         """``(event, estimate)`` for each distinct graph among ``events_`` that was sent to the TPU
         compiler, waiting at most ``timeout`` seconds for the answers still on their way (None then)."""
-        import time
-
         sent = {}
         for ev in events_:
             graph = getattr(ev, "graph", None)

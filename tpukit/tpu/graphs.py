@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from . import worker
+from .estimate import _resolve
 from .record import TpuEstimate, from_reply, refused
 from .targets import Target, target as _target
 
@@ -74,8 +75,6 @@ def bucket_costs(step_for_length: Callable[[int], object], lengths: Iterable[int
     compile time and each length's roofline floor, to pass as
     ``suggest_buckets(lengths, batch_size, **bucket_costs(...))``.
     """
-    from .estimate import _resolve
-
     tgt = _resolve(target)
     times, compiles = {}, []
     for n in sorted(set(int(x) for x in lengths)):
