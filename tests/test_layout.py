@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import subprocess
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
