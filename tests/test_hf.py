@@ -118,6 +118,14 @@ def test_default_arguments_dynamic_padding_alarms_in_trainer_terms(rt, tok, exam
     # transformers reads the 2-D mask (mask.all()) in every forward: a forced read per step
     assert s["forced_reads"] >= 4 - cb.warmup
     assert s["collator"].startswith("DataCollatorWithPadding")
+    # the dashboard shows the same place, not the trainer.train() line alone: the reader named it
+    from tpukit.widgets import render
+
+    view = cb.tracker.dashboard.view()
+    assert view.alerts and all(a.where.startswith("the Trainer's training step (trainer.train() at ")
+                               for a in view.alerts if "forced read" not in a.name), [a.name for a in view.alerts]
+    assert "the Trainer&#x27;s training step" in render.alerts_html(view) or \
+        "the Trainer's training step" in render.alerts_html(view)
 
 
 def test_bucket_collator_no_recompilation_no_forced_read(rt, tok, examples, tmp_path):
@@ -219,3 +227,25 @@ def test_checks_logging_every_step_and_evaluation_padding(tok, examples, tmp_pat
     assert "logging_steps=1" in text and ".item()" in text
     assert "evaluation pads with DataCollatorWithPadding" in text
     assert tpukit.hf.check_training(args, None, loader, None, on_xla=False) == []
+
+
+@pytest.mark.skipif(not tpukit.tpu.available(), reason="the tpu-estimate extra (jax, libtpu) is not installed")
+def test_callback_target_estimates_the_trainers_graphs_for_that_tpu(rt, tok, examples, tmp_path):
+    """Callback(target=...): every graph of the run is also compiled by the real TPU compiler (in its worker),
+    shown on the dashboard and in summary()["tpu"]; the target ends with the run."""
+    assert tpukit.tpu.follower() is None
+    collator = tpukit.hf.BucketCollator(tok, buckets=[32])
+    cb = tpukit.hf.Callback(dashboard=True, target="v5e-1")
+    t = trainer(tok, examples[:16], tmp_path, collator=collator, callbacks=[cb], optim="adamw_torch",
+                dataloader_drop_last=True, max_steps=3)
+    t.train()
+    rows = cb.summary()["tpu"]
+    assert rows and all(r["target"] == "v5e-1" and r["answered"] for r in rows), rows
+    assert all(r["fits"] and 0 < r["hbm_bytes"] < r["hbm_limit_bytes"] for r in rows), rows  # a tiny BERT
+    assert max(r["step_s_min"] for r in rows) > 0
+    assert any("the Trainer's training step" in r["graph"] for r in rows), [r["graph"] for r in rows]
+    view = cb.tracker.dashboard.view()
+    assert {est.target for _, est in view.tpu} == {"v5e-1"} and view.tpu
+    assert tpukit.tpu.follower() is None  # the run's target is not left following the next cells' graphs
+    with pytest.raises(tpukit.tpu.TargetError, match="v5e-1"):
+        tpukit.hf.Callback(target="v9-1")

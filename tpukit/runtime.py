@@ -283,8 +283,10 @@ def _warn(problems: tuple[str, ...] | list[str]) -> None:
             warnings.warn(p, TpukitWarning, stacklevel=3)
 
 
-def _follow_target(target: str | None) -> str | None:
-    """Compile every graph recorded from now on for ``target`` as well (None: ``$TPUKIT_TARGET``, if set)."""
+def follow_target(target: str | None) -> str | None:
+    """Compile every graph recorded from now on for ``target`` as well (None: ``$TPUKIT_TARGET``, if set);
+    returns the target's name, or None when there is none. ``setup(target=...)`` and
+    ``tpukit.hf.Callback(target=...)`` call it; an unknown name or a missing TPU compiler raises."""
     name = target or os.environ.get(TARGET_ENV) or None
     if name is None:
         return None
@@ -328,7 +330,7 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
         if _STATE is not None:
             rt, first = _STATE
             if target is not None and target != rt.target:
-                rt = dataclasses.replace(rt, target=_follow_target(target))
+                rt = dataclasses.replace(rt, target=follow_target(target))
                 _STATE = (rt, first)
             if req == first or req == Request():
                 return rt
@@ -375,7 +377,7 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
             tpu_signals=env.tpu_signals,
             bf16=kind == "TPU",
             cache_note=cache_plan.note,
-            target=_follow_target(target),
+            target=follow_target(target),
         )
         if started_before:
             problems.extend(_unapplied(req, rt, only=("device", "cpu_devices"), since=since))

@@ -74,9 +74,10 @@ class Tracker:
 
     def __init__(self, iterable: Iterable, total: int | None, device: Any, mesh: Any, progress: bool,
                  desc: str | None, guard: StepGuard | None, dashboard: bool, batch_size: int | None,
-                 shapes: Any = None, hint: str | None = None):
+                 shapes: Any = None, hint: str | None = None, place: Any = None):
         self.iterable = iterable
         self.hint = hint  # the loop's own fix for a batch that changed shape (the classifier's hint)
+        self.place = place  # CompileEvent -> where it happened in the loop's terms (LoopContext.place)
         self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
         self.device = device
         self.mesh = mesh
@@ -90,6 +91,7 @@ class Tracker:
         self.declared = declared_shapes(iterable, shapes)
         self.started: float | None = None
         self.finished: float | None = None
+        self.follower = None    # the target TPU's follower while the loop ran (None: no target)
         self.tail_wait = 0.0    # seconds waiting for the device after the last step
         self.tail_device = 0.0  # device busy seconds in that wait
 
@@ -216,12 +218,13 @@ class Tracker:
         _xla.sync()  # flush work queued before the loop so step 1 measures only itself
         self._clock = steps.Clock()
         steps.ensure_hook()
-        self._loop = compiles.LoopContext(self.declared, self.hint)
+        self._loop = compiles.LoopContext(self.declared, self.hint, self.place)
         self._held: tuple[StepRecord, list, tuple] | None = None
         self._t1: float | None = None
         self._input_time = 0.0
         self._n: int | None = None
         self.started = time.time()
+        self.follower = tpu.follower()
         events.call("on_track_start", self)
 
     def _finish(self) -> None:
@@ -301,7 +304,7 @@ class Tracker:
             "shares": dict(v.shares) if v else {},
             "verdict": f"{v.sentence}; {v.suggestion}" if v else None,
             "last_scalars": dict(h[-1].scalars) if h else {},
-            "tpu": _tpu_rows([e for r in h for e in r.compile_events]),
+            "tpu": _tpu_rows(self.follower, [e for r in h for e in r.compile_events]),
         }
 
 
@@ -317,9 +320,8 @@ def _checked_guard(guard: Any) -> Any:
                     "which raises on a recompilation after N warm-up steps.")
 
 
-def _tpu_rows(found: list) -> list[dict] | None:
-    """What the target TPU's compiler said about each graph of ``found`` (None: no target is set)."""
-    follower = tpu.follower()
+def _tpu_rows(follower: Any, found: list) -> list[dict] | None:
+    """What the target TPU's compiler said about each graph of ``found`` (None: no target was set)."""
     if follower is None:
         return None
     rows = []

@@ -74,18 +74,22 @@ def own(fn: Callable[[], Any]) -> Any:
 
 
 class LoopContext:
-    """One loop's classifier context: its declared shapes, the batch of each step it traces, and
-    ``hint``: what to change in *this* loop when its batches change shape (None: the generic hint).
+    """One loop's classifier context: its declared shapes, the batch of each step it traces,
+    ``hint``: what to change in *this* loop when its batches change shape (None: the generic hint),
+    and ``place``: how the loop names where a compile happened, when its own terms say more than
+    the user's line (the Trainer: "the Trainer's training step"; None: the user's line).
 
     ``thread_key`` keys the classifier's history of places: None on the main thread (so a
     notebook's loops compare with each other, as they run one after the other), the thread's
     ident elsewhere (parallel replicas each have their own history).
     """
 
-    def __init__(self, declared: frozenset = frozenset(), hint: str | None = None):
+    def __init__(self, declared: frozenset = frozenset(), hint: str | None = None,
+                 place: Callable[[Any], str | None] | None = None):
         self.id = next(_IDS)
         self.declared = frozenset(declared)
         self.hint = hint  # the loop's own fix for a batch-shape recompilation (e.g. the Trainer's collator)
+        self.place = place  # CompileEvent -> the place in the loop's terms (called on the reader's thread)
         thread = threading.current_thread()
         self.thread_key = None if thread is threading.main_thread() else thread.ident
         self._inputs: deque[tuple[int, Signature | None]] = deque(maxlen=32)

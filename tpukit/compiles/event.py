@@ -56,6 +56,7 @@ class CompileEvent:
     offset: int = -1             # where its block starts in the trace file (orders it among steps)
     seen: int = -1               # for a compile tpukit saw itself (eager op): its number among those
     loop: int | None = None      # the tracked loop it belongs to (its LoopContext.id), if known
+    place: str | None = None     # the place in its loop's terms (LoopContext.place), else the user's line
 
     @property
     def compiling(self) -> bool:
@@ -88,10 +89,16 @@ class CompileEvent:
         return next((f for f in self.frames if not f.is_machinery), None)
 
     @property
-    def where(self) -> str:
-        """'cell [7] line 5' or 'train.py:12 in step', or 'unknown location'."""
+    def line(self) -> str:
+        """The user's line: 'cell [7] line 5' or 'train.py:12 in step', or 'unknown location'."""
         f = self.user_frame
         return str(f) if f else "unknown location"
+
+    @property
+    def where(self) -> str:
+        """Where it happened, as every surface shows it: the loop's own place when its loop names one
+        ("the Trainer's training step (trainer.train() at cell [5] line 3)"), else :attr:`line`."""
+        return self.place or self.line
 
     @property
     def read_frame(self) -> Frame | None:

@@ -317,9 +317,21 @@ class Reader:
                                                  loop.hint if loop else None)
             hint = classify.forced_hint(read) if ev.forced and found.kind == classify.NEW else found.hint
             self._events[i] = dataclasses.replace(ev, kind=found.kind, evidence=found.evidence, hint=hint,
-                                                  graph=graph, recompilation=found.kind == classify.RECOMPILATION)
+                                                  graph=graph, recompilation=found.kind == classify.RECOMPILATION,
+                                                  place=_place(loop, ev))
             self._unsettled.discard(i)
             changed.add(i)
+
+
+def _place(loop: context.LoopContext | None, ev: CompileEvent) -> str | None:
+    """The place of ``ev`` in its loop's terms (None: the user's line). A loop's ``place`` that fails
+    must not stop the reader: the user's line is still right."""
+    if loop is None or loop.place is None:
+        return None
+    try:
+        return loop.place(ev)
+    except Exception:  # noqa: BLE001 - a naming callback's bug costs the name, never the event
+        return None
 
 
 def _compile_count() -> int:

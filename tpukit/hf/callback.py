@@ -19,8 +19,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .. import compiles, tpu
-from .._xla import hlo as xla_hlo
+from .. import compiles, runtime, tpu
 from ..guards import StepGuard
 from ..track import Tracker
 from . import checks
@@ -37,9 +36,9 @@ class CallbackLogic:
 
     ``dashboard``: open tpukit's live dashboard for the run (its report at the end).
     ``guard``: ``tpukit.no_recompile_after(k)``, raising on a recompilation after ``k`` steps.
-    ``target``: a TPU (``"v5e-1"``) the step after warm-up is compiled for, in the TPU compiler's
-    worker (``estimate``: a :class:`tpukit.tpu.TpuEstimate`, also in ``summary()``; needs the TPU
-    compiler installed, else None).
+    ``target``: a TPU (``"v5e-1"``): from the start of training every graph is also compiled for it by
+    the TPU compiler, in its worker process, as ``tpukit.setup(target=...)`` does (the dashboard's TPU
+    rows, ``summary()["tpu"]``); needs the ``tpu-estimate`` extra, checked when training starts.
     ``warmup``: the steps after which a value read mid-step counts in ``summary()["forced_reads"]``.
     After training: ``tracker`` (its ``history``: one StepRecord per optimizer step),
     ``summary()``, ``verdict()``, ``warnings`` (what the start-of-training checks found).
@@ -57,8 +56,6 @@ class CallbackLogic:
         self.tracker: Tracker | None = None
         self.collator: Any = None
         self.warnings: list[str] = []
-        self.estimate: Any = None  # the TPU compiler's answer for the steady step on ``target``
-        self._future: Any = None
         self._hook: Any = None
         self._in_step = False
         self._logs: dict[str, float] = {}
@@ -77,11 +74,16 @@ class CallbackLogic:
         stale = _RUNNING.pop(threading.get_ident(), None)
         if stale is not None:
             stale._abandon()
+        self._followed = None
+        if self.target is not None:
+            before = tpu.follower()
+            runtime.follow_target(self.target.name)  # before the first compile, so every graph is sent
+            self._followed = (before, tpu.follower())
         self.collator = checks.collator_of(train_dataloader)
         batch = int(getattr(args, "per_device_train_batch_size", 0) or 0) or None
         self.tracker = Tracker((), state.max_steps or None, None, None, False, None, self.guard, self.dashboard,
                                batch, shapes=getattr(self.collator, "buckets", None),
-                               hint=checks.shape_hint(self.collator))
+                               hint=checks.shape_hint(self.collator), place=self.place)
         self._thread = threading.get_ident()
         if model is not None:
             self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
@@ -116,8 +118,6 @@ class CallbackLogic:
         try:
             self._step_over()
             self.tracker.end(completed=True)
-            if self._future is not None:
-                self.estimate = self._future.result()
         finally:
             self._unhook()
             _RUNNING.pop(self._thread, None)
@@ -154,27 +154,22 @@ class CallbackLogic:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-
-    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                    **kwargs: Any) -> None:
-        """With a ``target``: the first step after warm-up, still pending (not synced yet), is sent
-        to the TPU compiler (in its worker, off this thread) as the run's steady step graph."""
-        if self.target is None or self._future is not None or state.global_step != self.warmup + 1:
-            return
-        if not tpu.available() or model is None:
-            return
-        tensors = [p for p in model.parameters()]
-        for group_state in getattr(getattr(optimizer, "optimizer", optimizer), "state", {}).values():
-            tensors += [v for v in group_state.values() if hasattr(v, "device") and v.device.type == "xla"]
-        self._future = tpu.compile_graph_async(xla_hlo.hlo_module_proto(tensors), self.target,
-                                               name="the Trainer's training step")
+        if getattr(self, "_followed", None):  # the run's target ends with the run; the user's own comes back
+            before, mine = self._followed
+            self._followed = None
+            if before is not mine:
+                tpu.unfollow(mine)
+                if before is not None:
+                    tpu.follow(before)
 
     def place(self, event: Any) -> str:
-        """Where a compile happened, in the Trainer's terms (its training step or its evaluation)."""
-        for start, stop in self._evals:
+        """Where a compile happened, in the Trainer's terms (its training step or its evaluation, then
+        the user's ``trainer.train()`` line). The reader calls it as it classifies ``event``, so every
+        surface (dashboard, report, guard, ``summary()``) shows the same place."""
+        for start, stop in list(self._evals):
             if not start.before(event) and (stop is None or stop.before(event)):
-                return f"{EVAL_PLACE} (trainer.train() at {event.where})"
-        return f"{TRAIN_PLACE} (trainer.train() at {event.where})"
+                return f"{EVAL_PLACE} (trainer.train() at {event.line})"
+        return f"{TRAIN_PLACE} (trainer.train() at {event.line})"
 
     # ------------------------------------------------------------------ results
     def verdict(self) -> Any:
@@ -189,12 +184,10 @@ class CallbackLogic:
             raise RuntimeError("Callback.summary(): the Trainer has not started training with this callback yet.")
         out = self.tracker.summary()
         h = self.tracker.history
-        out["alarms"] = [compiles.describe(e, where=self.place(e)) for r in h for e in r.recompilations]
+        out["alarms"] = [compiles.describe(e) for r in h for e in r.recompilations]
         out["forced_reads"] = sum(r.item_reads for r in h if r.step > self.warmup)
         out["collator"] = checks.collator_name(self.collator)
         out["warnings"] = list(self.warnings)
-        if self.estimate is not None:
-            out["tpu_estimate"] = self.estimate
         return out
 
 

@@ -4,7 +4,8 @@
 - :func:`compile_graph` / :func:`compile_graph_async`: a graph the kit already has, for the target.
 - :func:`target` / :data:`TARGETS` / :func:`default_target`: the table of TPU slices (``TPUKIT_TARGET``).
 - :func:`bucket_costs`: the bucket advisor's costs from the target's compiler.
-- :func:`follow` (``tpukit.setup(target=...)``): every graph the kit records, estimated in the background.
+- :func:`follow` (``tpukit.setup(target=...)``): every graph the kit records, estimated in the background
+  (:func:`unfollow` stops it).
 
 The parent process never imports jax or libtpu; only :mod:`._jax`, in the worker, does.
 """
@@ -12,8 +13,7 @@ The parent process never imports jax or libtpu; only :mod:`._jax`, in the worker
 from __future__ import annotations
 
 from .estimate import BatchFit, estimate, largest_batch
-from .follow import Follower, follow, follower, line
-from .follow import Follower, follow, follower, line
+from .follow import Follower, follow, follower, line, unfollow
 from .graphs import bucket_costs, compile_graph, compile_graph_async
 from .record import Suggestion, TpuCompileError, TpuEstimate, gb
 from .targets import TARGETS, Chip, Target, TargetError, default_target, target
@@ -24,5 +24,5 @@ __all__ = [
     "estimate", "largest_batch", "BatchFit", "TpuEstimate", "Suggestion", "compile_graph", "compile_graph_async",
     "bucket_costs", "target", "TARGETS", "Target", "Chip", "default_target", "available", "versions",
     "cache_dir", "cache_info", "worker_pid", "stop", "TargetError", "TpuCompileError", "TpuCompilerMissingError",
-    "WorkerError", "Follower", "follow", "follower", "line", "require", "gb",
+    "WorkerError", "Follower", "follow", "follower", "unfollow", "line", "require", "gb",
 ]

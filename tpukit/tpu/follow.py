@@ -108,19 +108,31 @@ _FOLLOWER: list[Follower] = []
 _LOCK = threading.Lock()
 
 
-def follow(target: str | Target) -> Follower:
-    """Compile every graph recorded from now on for ``target``; returns the (one) follower."""
-    tgt = _target(target)
+def follow(target: str | Target | Follower) -> Follower:
+    """Compile every graph recorded from now on for ``target``; returns the (one) follower. A
+    :class:`Follower` given back (one :func:`unfollow` stopped) resumes with the answers it has."""
+    given = target if isinstance(target, Follower) else None
+    tgt = given.target if given is not None else _target(target)
     require()  # a clear error with the install line when the TPU compiler is missing
     with _LOCK:
-        if _FOLLOWER and _FOLLOWER[0].target.name == tgt.name:
+        if _FOLLOWER and (_FOLLOWER[0] is given or (given is None and _FOLLOWER[0].target.name == tgt.name)):
             return _FOLLOWER[0]
         for old in _FOLLOWER:
             events.remove_listener(old)
-        _FOLLOWER[:] = [Follower(tgt)]
+        _FOLLOWER[:] = [given or Follower(tgt)]
     return events.add_listener(_FOLLOWER[0])
 
 
 def follower() -> Follower | None:
     """The follower ``setup(target=...)`` registered, or None when no target is set."""
     return _FOLLOWER[0] if _FOLLOWER else None
+
+
+def unfollow(which: Follower | None = None) -> None:
+    """Stop compiling new graphs for the target (``which``: only if it is still the follower). The
+    follower keeps its answers, and those still on their way still arrive and are published."""
+    with _LOCK:
+        for old in list(_FOLLOWER):
+            if which is None or old is which:
+                events.remove_listener(old)
+                _FOLLOWER.remove(old)
