@@ -381,3 +381,64 @@ def test_a_loop_left_by_break_closes_like_one_that_ran_out(rt):
     assert [r.scalars.get("total") for r in tracker.history] == [0.0, 4.0, 12.0]
     assert tracker.finished is not None and ended == [tracker]
     assert tracker.summary()["steps"] == 3
+
+
+CHILD_STEP = ("import torch, torch_xla\n"
+              "t = torch.ones(3, device=torch_xla.device()) * 2\n"
+              "torch_xla.sync()\n"
+              "print(float(t.sum()))\n")
+
+
+def _child(env: dict):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", CHILD_STEP], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_child_that_never_calls_setup_does_not_write_into_the_kernels_trace(rt, tmp_path):
+    """`!python train.py` from a traced kernel inherits its environment, PT_XLA_DEBUG_FILE included:
+    tpukit's sitecustomize (first on the children's PYTHONPATH) drops it before the child's torch_xla reads it."""
+    from tpukit.compiles import config
+
+    assert os.environ["PYTHONPATH"].split(os.pathsep)[0] == config.CHILD_PATH
+    trace = rt.trace_file
+    before = os.path.getsize(trace)
+    out = _child(dict(os.environ))  # exactly what a shell command from this process inherits
+    assert out.returncode == 0 and out.stdout.split()[-1] == "6.0", out.stderr[-2000:]
+    assert os.path.getsize(trace) == before
+    assert "Compilation Analysis" not in out.stdout  # nor does the trace go to the child's output
+
+    # The control, on a stand-in parent trace (not this process's): without the folder on PYTHONPATH the
+    # same child appends its compile analysis to it, so the check above can fail.
+    parent = tmp_path / "tpukit-0" / "compiles-1.log"
+    parent.parent.mkdir()
+    parent.write_text("")
+    env = dict(os.environ, PT_XLA_DEBUG_FILE=str(parent), PT_XLA_DEBUG_LEVEL="1")
+    assert _child(env).returncode == 0 and parent.stat().st_size == 0
+    env["PYTHONPATH"] = os.pathsep.join(p for p in env["PYTHONPATH"].split(os.pathsep) if p != config.CHILD_PATH)
+    assert _child(env).returncode == 0 and "Compilation Analysis" in parent.read_text()
+
+
+def test_the_childrens_sitecustomize_knows_tpukits_trace_names_and_runs_the_one_it_shadows(tmp_path):
+    """The stand-alone sitecustomize (it never imports tpukit) uses config's pattern, keeps a trace that is
+    the child's own or the user's, and still runs the sitecustomize it shadows."""
+    import importlib.util
+
+    from tpukit.compiles import config
+
+    spec = importlib.util.spec_from_file_location("child_site", os.path.join(config.CHILD_PATH, "sitecustomize.py"))
+    site = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(site)
+    assert site.TRACE_NAME == config.TRACE_NAME
+    own = {"PT_XLA_DEBUG_FILE": "/tmp/tpukit-0/compiles-42.log", "PT_XLA_DEBUG_LEVEL": "1"}
+    assert not site.drop_inherited_trace(own, pid=42) and len(own) == 2
+    users = {"PT_XLA_DEBUG_FILE": "/home/me/xla-debug.log", "PT_XLA_DEBUG_LEVEL": "1"}
+    assert not site.drop_inherited_trace(users, pid=42) and len(users) == 2
+    parents = {"PT_XLA_DEBUG_FILE": "/tmp/tpukit-0/compiles-41.log", "PT_XLA_DEBUG_LEVEL": "1", "OTHER": "x"}
+    assert site.drop_inherited_trace(parents, pid=42) and parents == {"OTHER": "x"}
+
+    (tmp_path / "sitecustomize.py").write_text("import os\nos.environ['SHADOWED_RAN'] = 'yes'\n")
+    out = run_python("import os; print(os.environ.get('SHADOWED_RAN'))",
+                     env={"PYTHONPATH": os.pathsep.join([config.CHILD_PATH, str(tmp_path)])})
+    assert out.returncode == 0 and out.stdout.split()[-1] == "yes", out.stderr

@@ -8,8 +8,9 @@ next to it. Both are read by :mod:`tpukit.compiles.reader`, the only reader.
 
 Everything that sets, names or removes these lives here: :func:`configure` (called by
 ``tpukit.setup()``), :func:`release` once the runtime has read them (so processes started
-from this one do not write into this process's files), and the clean-up of this process's
-files at exit and of files left by processes that are gone.
+from this one do not dump into this process's folder), ``_inherit/sitecustomize.py`` on the
+children's ``PYTHONPATH`` (so they do not append to this process's trace), and the clean-up of
+this process's files at exit and of files left by processes that are gone.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ TRACE_FILE_ENV = "PT_XLA_DEBUG_FILE"
 FRAMES_ENV, FRAMES = "PT_XLA_DEBUG_MAX_FRAME", "64"
 HLO_SUFFIX = ".hlo"
 _NAME = re.compile(r"^compiles-(\d+)\.log(?:\.hlo)?$")
+TRACE_NAME = r"tpukit-[^/\\]*[/\\]compiles-(\d+)\.log$"  # a tpukit trace file's path; its pid is the owner
+# Put on the PYTHONPATH of the processes this one starts: their sitecustomize drops this trace.
+CHILD_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_inherit")
 _DUMP_FLAG = re.compile(r"--xla_dump_to=\S*tpukit-[^\s/\\]*[/\\]compiles-\d+\.log\.hlo\S*|--xla_dump_hlo_as_text|"
                         r"--xla_dump_hlo_as_proto|--xla_dump_hlo_pass_re=\^\$")
 
@@ -59,7 +63,7 @@ def _env_trace_file() -> str | None:
 
 def inherited(path: str) -> bool:
     """True for a trace file tpukit made for another process (its pid is in the name)."""
-    m = re.search(r"tpukit-[^/\\]*[/\\]compiles-(\d+)\.log$", path)
+    m = re.search(TRACE_NAME, path)
     return bool(m) and int(m.group(1)) != os.getpid()
 
 
@@ -109,9 +113,19 @@ def _take() -> str:
     # torch_xla keeps 8 frames by default: too few to reach the user's line under a library
     # loop (a Trainer, a device loader, dynamo). Only written when something compiles.
     os.environ.setdefault(FRAMES_ENV, FRAMES)
+    _children_drop_trace()
     _configure_dump(path)
     _cleanup_at_exit()
     return path
+
+
+def _children_drop_trace() -> None:
+    """Processes started from this one inherit its environment, trace settings included; put
+    :data:`CHILD_PATH` first on their ``PYTHONPATH`` so their ``sitecustomize`` drops this process's
+    trace before their torch_xla reads it (torch_xla reads the variables again at every compile, so
+    this process cannot take them back after start)."""
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != CHILD_PATH]
+    os.environ["PYTHONPATH"] = os.pathsep.join([CHILD_PATH] + parts)
 
 
 def _configure_dump(trace: str) -> None:
