@@ -36,6 +36,7 @@ from .steps import StepRecord, add_listener, log, on_step
 from .track import Tracker, dashboard, track
 from . import events, widgets  # the notebook UI (imports no UI library)
 from . import data  # noqa: F401 (tpukit.data.bert_mask(...) after `import tpukit`: batching and the bucket advisor)
+from . import samples  # noqa: F401 (tpukit.samples.sentiment_sample(): the tutorials' offline data)
 from . import eager  # noqa: F401 (follows torch_xla's eager mode to name its per-op compiles)
 
 # The one arrow from the core to the UI, drawn here where everything is imported: what
