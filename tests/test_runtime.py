@@ -246,7 +246,8 @@ def test_scale_note_says_what_one_or_many_devices_can_do():
     base = Runtime(platform="colab", device_type="TPU", accelerator_type="v5litepod-1", device="xla:0",
                    device_count=1, process_count=1, world_size=1, spmd=False, versions={},
                    compile_cache=None, trace_file=None)
-    assert "one device" in base.scale_note() and "v5e-8" in base.scale_note()
+    assert "one device" in base.scale_note() and "v5e-8 (Kaggle's TPU)" in base.scale_note()
+    assert "v3-8" not in base.scale_note()  # Kaggle's TPU is a v5e-8 now
     cpu = dataclasses.replace(base, device_type="CPU")
     assert "cpu_devices=4" in cpu.scale_note()
     eight = dataclasses.replace(base, device_count=8, spmd=True)

@@ -1,8 +1,9 @@
-"""Platform detection and version checks, without importing torch or torch_xla.
+"""Platform detection, version checks and the processes holding the TPU, without importing torch or torch_xla.
 
-Everything here reads environment variables, files under /dev and /sys, and the
+Everything here reads environment variables, files under /dev, /sys and /proc, and the
 installed distributions' metadata, so it is safe to call before the runtime
-starts (and on a machine where torch_xla is broken or missing).
+starts (and on a machine where torch_xla is broken or missing). The last section
+filters a library's notice out of the process's standard error (``filter_stderr``).
 """
 
 from __future__ import annotations
@@ -11,14 +12,29 @@ import glob
 import os
 import platform as _platform
 import re
+import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from importlib import metadata
+
+from .errors import TpuBusyError
 
 # Google's PCI vendor id; TPU chips enumerate under it on TPU VMs and hosts.
 GOOGLE_PCI_VENDOR = "0x1ae0"
 # The pair tpukit is developed against; used to suggest an install command.
 DEFAULT_PAIR = "2.9.0"
+# Where the machine facts are read (module attributes, so a test can point them at a fake tree).
+DEV_ROOT, PROC_ROOT = "/dev", "/proc"
+# libtpu's multi-process lock: held by a process that loaded libtpu without ALLOW_MULTIPLE_LIBTPU_LOAD.
+LIBTPU_LOCKFILES = ("/tmp/libtpu_lockfile", f"/tmp/libtpu_lock_{getattr(os, 'getuid', lambda: 0)()}/libtpu_lockfile")
+# How to get a TPU on the notebook platforms that offer one (their menus).
+SWITCH_TO_TPU = {
+    "colab": "Runtime > Change runtime type > TPU v5e-1, then run the notebook again from the top",
+    "kaggle": ("Settings > Accelerator > TPU v5e-8, with Settings > Internet on (the first cell installs tpukit), "
+               "then run the notebook again from the top"),
+}
 
 
 @dataclass(frozen=True)
@@ -69,7 +85,7 @@ def detect_platform(environ: dict | None = None) -> str:
 
 
 def _tpu_devices() -> list[str]:
-    return sorted(glob.glob("/dev/accel*") + glob.glob("/dev/vfio/[0-9]*"))
+    return sorted(glob.glob(os.path.join(DEV_ROOT, "accel*")) + glob.glob(os.path.join(DEV_ROOT, "vfio", "[0-9]*")))
 
 
 def _google_pci_devices() -> list[str]:
@@ -85,7 +101,8 @@ def _google_pci_devices() -> list[str]:
 
 
 def tpu_device_files() -> list[str]:
-    """The TPU device files of this machine (/dev/accel*, /dev/vfio/N); empty elsewhere."""
+    """The TPU device files of this machine (/dev/accel* on v4/v5e/v6e TPU VMs, /dev/vfio/N on v5p/v6e and
+    Kaggle); empty elsewhere."""
     return _tpu_devices()
 
 
@@ -170,4 +187,214 @@ def pid_alive(pid: int) -> bool:
         return False
     except OSError:
         return True  # someone else's process
+    return True
+
+
+def no_tpu_problem(env: Environment) -> str | None:
+    """What the report says on a Colab or Kaggle runtime without a TPU: that tpukit runs on XLA:CPU
+    and how to switch the runtime to a TPU. None elsewhere, and when a TPU is attached."""
+    how = SWITCH_TO_TPU.get(env.platform)
+    if how is None or env.has_tpu:
+        return None
+    where = "Colab runtime" if env.platform == "colab" else "Kaggle session"
+    return (f"This {where} has no TPU, so tpukit runs on XLA:CPU: the code works, slowly, and nothing is measured "
+            f"on a TPU. To get one: {how}. To run on the CPU on purpose, call tpukit.setup(device='cpu') "
+            "(%tpu --device cpu) first instead.")
+
+
+# ----------------------------------------------------------------- processes holding the TPU
+
+@dataclass(frozen=True)
+class TpuHolder:
+    """A process that holds this machine's TPU: it has a chip's device file (or libtpu's lockfile) open."""
+
+    pid: int
+    command: str  # its command line ("" when it cannot be read)
+    devices: tuple[str, ...]  # the TPU device files (and libtpu lockfile) it has open
+
+    @property
+    def kernel(self) -> bool:
+        """True when the process is a notebook kernel (Jupyter, Colab or Kaggle)."""
+        return any(k in self.command for k in ("ipykernel", "colab_kernel_launcher"))
+
+    def describe(self) -> str:
+        """One line: pid, command and what it holds."""
+        what = " (a notebook kernel)" if self.kernel else ""
+        return f"pid {self.pid}{what}: {self.command or '(command line unreadable)'}, holding {', '.join(self.devices)}"
+
+
+def _roots(dev_root: str | None, proc_root: str | None, lockfiles: tuple[str, ...] | None) -> tuple:
+    return dev_root or DEV_ROOT, proc_root or PROC_ROOT, tuple(LIBTPU_LOCKFILES if lockfiles is None else lockfiles)
+
+
+def _held_by(pid: int, dev_root: str, proc_root: str, lockfiles: tuple[str, ...]) -> tuple[str, ...]:
+    """The TPU files process ``pid`` has open, read from its fd links like ``fuser`` does."""
+    fd_dir, held = os.path.join(proc_root, str(pid), "fd"), set()
+    try:
+        links = [os.path.join(fd_dir, fd) for fd in os.listdir(fd_dir)]
+    except OSError:  # gone, or another user's process
+        return ()
+    chip = re.compile(re.escape(os.path.join(dev_root, "")) + r"(accel|vfio/)\d+")
+    for link in links:
+        try:
+            target = os.readlink(link)
+        except OSError:
+            continue
+        if target in lockfiles or chip.fullmatch(target):
+            held.add(target)
+    return tuple(sorted(held, key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)]))
+
+
+def _command(pid: int, proc_root: str) -> str:
+    for name, sep in (("cmdline", b"\0"), ("comm", b"\n")):
+        try:
+            with open(os.path.join(proc_root, str(pid), name), "rb") as f:
+                text = " ".join(f.read().replace(sep, b" ").decode(errors="replace").split())  # one line
+        except OSError:
+            continue
+        if text:
+            return text if len(text) <= 300 else text[:297] + "..."
+    return ""
+
+
+def tpu_holders(dev_root: str | None = None, proc_root: str | None = None,
+                lockfiles: tuple[str, ...] | None = None) -> list[TpuHolder]:
+    """The processes other than this one that hold a TPU chip's device file (``/dev/accel*``,
+    ``/dev/vfio/N``) or libtpu's lockfile, by pid. Processes of other users are not seen (their
+    fd links cannot be read). The roots default to the machine's (DEV_ROOT, PROC_ROOT, LIBTPU_LOCKFILES)."""
+    dev_root, proc_root, lockfiles = _roots(dev_root, proc_root, lockfiles)
+    try:
+        pids = sorted(int(n) for n in os.listdir(proc_root) if n.isdigit() and int(n) != os.getpid())
+    except OSError:
+        return []
+    return [TpuHolder(pid, _command(pid, proc_root), held) for pid in pids
+            if (held := _held_by(pid, dev_root, proc_root, lockfiles))]
+
+
+def check_tpu_free(environ: dict | None = None, **roots) -> None:
+    """Raise :class:`~tpukit.TpuBusyError` naming each process that keeps torch_xla from starting on this
+    process's TPU chips (pid, command, what it holds) and how to free them; return when none does.
+
+    What blocks: any chip's device file, or only those of ``TPU_VISIBLE_CHIPS`` when the chips are split
+    between processes (there the sibling processes hold the others); libtpu's lockfile only when
+    ALLOW_MULTIPLE_LIBTPU_LOAD is set off (torch_xla sets it on, and libtpu then ignores the lock).
+    ``roots``: ``dev_root``, ``proc_root``, ``lockfiles`` as for ``tpu_holders``."""
+    env = os.environ if environ is None else environ
+    visible = env.get("TPU_VISIBLE_CHIPS") or env.get("TPU_VISIBLE_DEVICES")
+    chips = {c.strip() for c in visible.split(",")} if visible else None
+    lock_counts = chips is None and env.get("ALLOW_MULTIPLE_LIBTPU_LOAD", "1").strip().lower() in ("", "0", "false")
+    lockfiles = _roots(None, None, roots.get("lockfiles"))[2]
+
+    def blocks(path: str) -> bool:
+        m = re.search(r"accel(\d+)$", path)
+        return lock_counts if path in lockfiles else chips is None or bool(m and m.group(1) in chips)
+
+    holders = [TpuHolder(h.pid, h.command, tuple(d for d in h.devices if blocks(d)))
+               for h in tpu_holders(**roots) if any(blocks(d) for d in h.devices)]
+    if not holders:
+        return
+    shut = (" (a notebook kernel: shut it down from its notebook, Kernel > Shut Down Kernel, or in JupyterLab's "
+            "Running tab)") if any(h.kernel for h in holders) else ""
+    raise TpuBusyError(
+        "This machine's TPU is held by another process, so torch_xla cannot start on it here (it would fail "
+        "with 'Device or resource busy' or 'The TPU is already in use'):\n"
+        + "\n".join(f"  {h.describe()}" for h in holders)
+        + f"\nFree it, then run tpukit.setup() (or %tpu) again: stop that program{shut}, or end it from here with "
+        f"tpukit.environment.free_tpu({holders[0].pid}) (it ends that process only, and only while it holds the "
+        f"TPU), or run `kill {' '.join(str(h.pid) for h in holders)}` in a terminal. Or run on the CPU meanwhile: "
+        "tpukit.setup(device='cpu').")
+
+
+def free_tpu(pid: int, timeout: float = 10.0, *, dev_root: str | None = None, proc_root: str | None = None,
+             lockfiles: tuple[str, ...] | None = None) -> TpuHolder:
+    """End process ``pid``, which holds this machine's TPU (see ``tpu_holders``), and wait until it lets
+    go; returns what it held. Only that process, and only if it holds a TPU device file or libtpu's
+    lockfile: tpukit never ends a process unless you call this. SIGTERM first (the process may clean up),
+    SIGKILL if it still holds the TPU after ``timeout`` seconds.
+
+    Raises ValueError when ``pid`` does not hold the TPU (nothing is ended) or is this process, and
+    :class:`~tpukit.TpuBusyError` when it may not be ended (another user's: ``sudo kill``) or keeps the TPU.
+    """
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid < 1:
+        raise ValueError(f"free_tpu(pid={pid!r}): pid must be a process id (a positive int), as the TpuBusyError "
+                         "or tpukit.environment.tpu_holders() lists it.")
+    if pid == os.getpid():
+        raise ValueError(f"free_tpu({pid}) is this process itself: restart the kernel (or Python) to release its TPU.")
+    roots = _roots(dev_root, proc_root, lockfiles)
+    holders = tpu_holders(*roots)
+    holder = next((h for h in holders if h.pid == pid), None)
+    if holder is None:
+        it = f"it is {_command(pid, roots[1]) or 'a process'}" if pid_alive(pid) else "no such process"
+        raise ValueError(f"free_tpu({pid}): process {pid} does not hold this machine's TPU ({it}), so nothing was "
+                         f"ended. The processes holding it now: {'; '.join(h.describe() for h in holders) or 'none'}.")
+    for sig, wait in ((signal.SIGTERM, float(timeout)), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return holder
+        except PermissionError:
+            raise TpuBusyError(f"free_tpu({pid}): process {pid} ({holder.command}) belongs to another user and may "
+                               f"not be ended from here; run `sudo kill {pid}` in a terminal.") from None
+        deadline = time.monotonic() + wait
+        while _held_by(pid, *roots) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _held_by(pid, *roots):
+            return holder
+    raise TpuBusyError(f"free_tpu({pid}): process {pid} still holds {', '.join(holder.devices)} after SIGTERM and "
+                       "SIGKILL (it may be stuck in the TPU driver); restart the machine (or the notebook runtime).")
+
+
+# ----------------------------------------------------------------- a library's notice on stderr
+
+_FILTER = r"""
+import os, re, select, sys
+if os.fork(): os._exit(0)  # detach: the parent returns at once, the child filters until every writer is gone
+drop, held = [m.encode() for m in sys.argv[1:]], b""
+def out(data):
+    while data and not any(m in data for m in drop):
+        try:
+            data = data[os.write(1, data):]
+        except OSError:  # the stream it forwards to is gone: keep draining so writers never block
+            return
+while True:
+    if held and (len(held) > 65536 or not select.select([0], [], [], 0.05)[0]):
+        out(held)  # a line still being written after 50 ms (a prompt, a progress bar): pass it on
+        held = b""
+        continue
+    chunk = os.read(0, 65536)
+    if not chunk:
+        break
+    *lines, held = re.split(rb"(?<=[\r\n])", held + chunk)
+    for line in lines:
+        out(line)
+out(held)
+"""
+_FILTERED: list[str] = []  # the markers this process's stderr is filtered of (set once)
+
+
+def filter_stderr(*markers: str) -> bool:
+    """Drop every line containing one of ``markers`` from this process's standard error (file
+    descriptor 2, so C++ logging too) and pass everything else through unchanged. A small process
+    does the filtering, so what a crashing process wrote last still comes out. Once per process;
+    not on a terminal (the stream would stop being one). Returns True when the filter is on."""
+    if _FILTERED:
+        return set(markers) <= set(_FILTERED)
+    try:
+        if os.isatty(2):
+            return False
+        saved = os.dup(2)
+    except OSError:
+        return False
+    r, w = os.pipe()
+    try:  # the filter detaches (forks, its parent exits) into its own session, away from Ctrl-C
+        subprocess.run([sys.executable, "-S", "-c", _FILTER, *markers], stdin=r, stdout=saved, stderr=saved,
+                       close_fds=True, start_new_session=True, check=True, timeout=60)
+        sys.stderr.flush()
+        os.dup2(w, 2)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        for fd in (r, w, saved):
+            os.close(fd)
+    _FILTERED.extend(markers)
     return True

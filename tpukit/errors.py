@@ -22,6 +22,11 @@ class DeviceNotFoundError(TpukitError):
     """The requested kind of device does not exist on this machine."""
 
 
+class TpuBusyError(TpukitError):
+    """The TPU is held by another process (the message names its pid and command and how to free it),
+    or ``free_tpu`` could not end that process."""
+
+
 class RuntimeStateError(TpukitError):
     """An operation needs the runtime in a different state (e.g. SPMD on)."""
 

@@ -29,6 +29,7 @@ DEVICE_CHOICES = ("auto", "tpu", "cpu")
 METRIC_SAMPLES_ENV, METRIC_SAMPLES = "XLA_METRICS_SAMPLES", "64"  # set it yourself to keep more
 TARGET_ENV = "TPUKIT_TARGET"  # the TPU the user means to run on, e.g. "v5e-8" (see tpukit.tpu.TARGETS)
 RANK_ENV = "TPUKIT_REPLICA_RANK"  # set by tpukit.launch in independent replicas, by run_on_slice on each host
+GSPMD_NOTICE = "GSPMD sharding propagation is going to be deprecated"  # XLA's C++ log at each SPMD compile (2.8/2.9)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Runtime:
         """What this many devices can and cannot do (a single chip, e.g. Colab's v5e-1, or several)."""
         if self.device_count == 1:
             more = ("tpukit.setup(cpu_devices=4) tries several virtual ones" if self.device_type == "CPU"
-                    else "a v5e-8 or Kaggle's v3-8 has 8 and splits each batch 8 ways")
+                    else "a v5e-8 (Kaggle's TPU) has 8 and splits each batch 8 ways")
             return f"one device: SPMD code runs unchanged over it, with no speed-up; {more}"
         how = "tpukit.mesh() + track(mesh=...) shard each batch" if self.spmd else "turn SPMD on to use them all"
         return f"{self.device_count} devices: {how} (the global batch must be a multiple of {self.device_count})"
@@ -153,8 +154,8 @@ def resolve_device(req: Request, env: environment.Environment) -> str:
     if req.device == "tpu":
         if env.has_tpu or (env.pjrt_device or "").upper() == "TPU":
             return "TPU"
-        where = {"colab": "On Colab choose Runtime > Change runtime type > TPU.",
-                 "kaggle": "On Kaggle choose Settings > Accelerator > TPU."}.get(env.platform, "")
+        how = environment.SWITCH_TO_TPU.get(env.platform)
+        where = f"On {env.platform.capitalize()}: {how}." if how else ""
         raise DeviceNotFoundError(
             f"device='tpu' was requested but no TPU is attached to this {env.platform} machine "
             f"(no TPU device files, PCI devices or TPU environment variables; only the CPU). "
@@ -344,7 +345,11 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
         started_before = _xla.runtime_initialized()
         since = f"torch_xla was loaded {_started_by()}, before tpukit.setup()" if started_before else ""
         kind = resolve_device(req, env)
+        if kind == "TPU" and not started_before:  # another process holding the chips: say which, before torch_xla fails
+            environment.check_tpu_free()
         trace, problems = configure(req, env)
+        if req.device == "auto" and environment.no_tpu_problem(env):  # Colab/Kaggle without a TPU: how to switch
+            problems.append(environment.no_tpu_problem(env))
 
         cache_plan = cache.plan(kind, compile_cache, env, started_before)
         if cache_plan.path:
@@ -360,6 +365,8 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
                                 "anything uses the device.")
             else:
                 _xla.use_spmd()
+        if _xla.is_spmd():  # XLA's GSPMD notice says nothing to the user, once per compile: drop that line only
+            environment.filter_stderr(GSPMD_NOTICE)
         dev = _xla.device()
         rt = Runtime(
             platform=env.platform,
