@@ -15,6 +15,7 @@ off the stack: lazy code pays nothing.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
@@ -35,10 +36,11 @@ class EagerOps(TorchFunctionMode):
         self._statement: tuple = ()
         self._run = 0
         self._seen: dict[tuple, tuple[int, int]] = {}  # place -> (run, compiles there in that run)
+        self._positions: dict[Any, list | None] = {}  # code object -> source positions of its code units
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         user = self._user_frame(sys._getframe(1))
-        statement = (id(user), user.f_lasti if user is not None else -1)
+        statement = (id(user), self._instruction(user))
         if statement != self._statement:
             self._statement, self._run = statement, self._run + 1
         before = _xla.counter_value(_COUNTER) or 0
@@ -47,6 +49,19 @@ class EagerOps(TorchFunctionMode):
         if n > 0:
             self._publish(func, args, kwargs, out, n, user)
         return out
+
+    def _instruction(self, f) -> Any:
+        """Where ``f`` is in its code: the source position of its current instruction (Python >= 3.11),
+        not the raw ``f_lasti``, which Python 3.12 points into an instruction's inline cache once it is
+        specialized (a for-loop's first iteration and the next ones differ); the offset on 3.10."""
+        if f is None:
+            return -1
+        code = f.f_code
+        pos = self._positions.get(code, False)
+        if pos is False:
+            pos = self._positions[code] = list(code.co_positions()) if hasattr(code, "co_positions") else None
+        i = f.f_lasti // 2
+        return pos[i] if pos is not None and 0 <= i < len(pos) else f.f_lasti
 
     def _user_frame(self, f):
         """The innermost frame outside torch, torch_xla, tpukit and installed packages (None if none)."""
@@ -76,7 +91,7 @@ class EagerOps(TorchFunctionMode):
         # The op's "batch" for the classifier: its tensor inputs, or its results for a factory (randn).
         inputs = tuple((f"['{name}']" if i == 0 else f"['{name} arg {i + 1}']", tuple(t.shape), str(t.dtype))
                        for i, t in enumerate(tensors or results))
-        lasti = user.f_lasti if user is not None else -1
+        lasti = self._instruction(user)
         # Calls of one op at one place within one run of the user's statement (the layers of an
         # nn.Sequential, the parameters of an optimizer) are told apart by their rank in that run.
         key = ("eager op", name, lasti) + tuple((fr.filename, fr.line) for fr in frames if not fr.is_library)
