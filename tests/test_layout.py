@@ -30,7 +30,7 @@ SOURCES = {"tpukit": ROOT / "tpukit", "tpukit.widgets": ROOT / "widgets"}  # imp
 MAX_LINES = 400
 
 LAYERS = {
-    "errors": 0, "_version": 0, "cache": 0, "_xla": 0, "_tree": 0, "_text": 0, "_ipython": 0, "environment": 0, "samples": 0,
+    "errors": 0, "_version": 0, "cache": 0, "_xla": 0, "_tree": 0, "_text": 0, "_ipython": 0, "_stderr": 0, "environment": 0, "samples": 0,
     "metrics": 1, "events": 1, "advisor": 1, "verdict": 1,
     "compiles": 2, "tpu": 2,
     "runtime": 3, "steps": 3, "eager": 3,
@@ -52,7 +52,7 @@ PUBLIC_API = [
     "CheckpointManager", "export_pretrained", "mesh", "shard_batch", "sharding_spec", "device_loader",
     "fsdp", "estimate", "largest_batch", "TpuEstimate", "launch", "run_on_slice", "LocalSlice", "profile",
     "Profile", "ProfileSummary", "rank", "ShardingError", "load_ipython_extension", "unload_ipython_extension",
-    "TpukitError", "TpukitWarning", "TorchXlaMissingError", "VersionMismatchError", "DeviceNotFoundError",
+    "TpukitError", "TpukitWarning", "TorchXlaMissingError", "TpuBusyError", "VersionMismatchError", "DeviceNotFoundError",
     "RuntimeStateError", "RecompilationError", "CheckpointError", "LaunchError", "SliceError",
 ]
 

@@ -143,12 +143,21 @@ def test_setup_refuses_a_busy_tpu_before_torch_xla_starts(fake_dev, start):
             "    tpukit.setup()\n"
             "except TpuBusyError as exc:\n"
             "    print(exc)\n"
+            "from IPython.core.error import UsageError\n"
+            "from IPython.core.interactiveshell import InteractiveShell\n"
+            "shell = InteractiveShell.instance()\n"
+            "shell.run_line_magic('load_ext', 'tpukit')\n"
+            "try:\n"
+            "    shell.run_line_magic('tpu', '')\n"
+            "except UsageError as exc:  # %tpu shows the message alone, no traceback\n"
+            "    print('%tpu says:', str(exc).splitlines()[0][:60])\n"
             "print('torch_xla imported:', 'torch_xla' in sys.modules)\n")
     out = run_python(code, drop=MACHINE_ENV_PREFIXES + ("PJRT_DEVICE",))
     assert out.returncode == 0, out.stderr
     assert f"pid {holder.pid}: {sys.executable} -c import signal" in out.stdout
     assert f"holding {fake_dev / 'accel0'}" in out.stdout
     assert f"free_tpu({holder.pid})" in out.stdout and f"`kill {holder.pid}`" in out.stdout
+    assert "%tpu says: %tpu: This machine's TPU is held by another process" in out.stdout
     assert out.stdout.rstrip().endswith("torch_xla imported: False")  # refused before the runtime started
     assert holder.poll() is None  # and nothing was ended
 
@@ -232,17 +241,22 @@ def test_gspmd_notice_is_dropped_and_other_warnings_stay():
     assert runtime.GSPMD_NOTICE not in out.stderr
     assert "UserWarning: a Python warning stays" in out.stderr and "] a C++ warning stays\n" in out.stderr
     # Without the filter the same run shows XLA's notice once per SPMD compile: the line the filter drops.
-    unfiltered = run_python(code.format(patch="from tpukit import environment\n"
-                                              "environment.filter_stderr = lambda *markers: False\n"))
+    unfiltered = run_python(code.format(patch="from tpukit import _stderr\n"
+                                              "_stderr.filter_stderr = lambda *markers: False\n"))
     assert unfiltered.returncode == 0, unfiltered.stderr
-    assert unfiltered.stderr.count(runtime.GSPMD_NOTICE) >= 2
+    from importlib.metadata import version
+
+    if version("torch_xla").startswith("2.8"):  # 2.8 does not print the notice at all (Kaggle's stack)
+        assert unfiltered.stderr.count(runtime.GSPMD_NOTICE) == 0
+    else:
+        assert unfiltered.stderr.count(runtime.GSPMD_NOTICE) >= 2
 
 
 def test_stderr_filter_passes_everything_else_even_from_a_crash():
     code = ("import os, time\n"
-            "from tpukit import environment\n"
-            "assert environment.filter_stderr('NOISE') and environment.filter_stderr('NOISE')\n"
-            "assert not environment.filter_stderr('OTHER')  # once per process\n"
+            "from tpukit import _stderr\n"
+            "assert _stderr.filter_stderr('NOISE') and _stderr.filter_stderr('NOISE')\n"
+            "assert not _stderr.filter_stderr('OTHER')  # once per process\n"
             "os.write(2, b'keep 1\\nNOISE dropped\\n')\n"
             "os.write(2, b'x NOI'); os.write(2, b'SE split across writes, dropped\\n')\n"
             "os.write(2, b'progress 50%\\r'); time.sleep(0.2); os.write(2, b'progress 100%\\r\\n')\n"
@@ -255,8 +269,8 @@ def test_stderr_filter_passes_everything_else_even_from_a_crash():
 def test_stderr_filter_leaves_a_terminal_alone():
     master, slave = os.openpty()
     try:
-        out = subprocess.run([sys.executable, "-c", "from tpukit import environment\n"
-                              "print(environment.filter_stderr('NOISE'))"], stderr=slave,
+        out = subprocess.run([sys.executable, "-c", "from tpukit import _stderr\n"
+                              "print(_stderr.filter_stderr('NOISE'))"], stderr=slave,
                              stdout=subprocess.PIPE, text=True, timeout=60)
     finally:
         os.close(master)

@@ -52,7 +52,7 @@ def tpu(args: Any) -> None:
     try:
         rt = runtime.setup(device=args.device, cpu_devices=args.cpu_devices, spmd=args.spmd,
                            compile_cache=args.compile_cache, trace_compiles=not args.no_trace)
-    except ValueError as exc:
+    except (ValueError, TpukitError) as exc:  # a busy or missing TPU, a missing torch_xla: the message, no traceback
         raise usage(f"%tpu: {exc}") from None
     show(rt.report(), rt._repr_html_())
 

@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass
 
 from ._version import __version__
-from . import _ipython, _xla, cache, compiles, environment, tpu
+from . import _ipython, _stderr, _xla, cache, compiles, environment, tpu
 from ._text import table_html, table_text
 from .errors import DeviceNotFoundError, TorchXlaMissingError, TpukitWarning, VersionMismatchError
 
@@ -366,7 +366,7 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
             else:
                 _xla.use_spmd()
         if _xla.is_spmd():  # XLA's GSPMD notice says nothing to the user, once per compile: drop that line only
-            environment.filter_stderr(GSPMD_NOTICE)
+            _stderr.filter_stderr(GSPMD_NOTICE)
         dev = _xla.device()
         rt = Runtime(
             platform=env.platform,
