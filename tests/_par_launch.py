@@ -70,8 +70,9 @@ def alive(pid):
 
 
 def child_pids():
-    """PIDs whose parent is this process (Linux /proc; no psutil), without multiprocessing's
-    resource tracker: 'spawn' starts that helper once per Python process and it is not a replica."""
+    """PIDs whose parent is this process (Linux /proc; no psutil), without the helpers that are not
+    replicas: multiprocessing's resource tracker ('spawn' starts it once per Python process) and
+    torch 2.8's inductor compile-worker pool (its import of torch._inductor starts it, before any launch)."""
     out = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -82,7 +83,8 @@ def child_pids():
                     cmdline = f.read()
             except OSError:
                 continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"resource_tracker" not in cmdline:
+            if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and b"resource_tracker" not in cmdline \
+                    and b"_inductor/compile_worker" not in cmdline:
                 out.append(int(entry))
     return out
 

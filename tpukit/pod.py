@@ -116,6 +116,8 @@ class _Run:
             host = self.pending.pop(gen)
             if finished:  # its process exited (max_calls=1) as Ray recorded the end: the result is in
                 return
+            if host is None:  # it died before its hello reached the notebook: Ray's task table knows it
+                host = self._identify(gen)
             who = f"host {host}" if host is not None else "a host"
             cause = getattr(exc, "cause", None)  # a RayTaskError: the task's own code raised
             if isinstance(cause, BaseException):
@@ -139,6 +141,22 @@ class _Run:
             self.lines.flush()
             detail = f". Its traceback:\n\n{remote.with_sources(msg.traceback).rstrip()}" if msg.traceback else "."
             raise SliceError(f"host {msg.source} failed: {msg.summary}{self._others(gen)}{detail}")
+
+    def _identify(self, gen: Any) -> int | None:
+        """The host index, pid and node of a task whose hello never arrived (its process died at once,
+        before Ray delivered what it had yielded), from Ray's task table and the node's worker-id label;
+        kept as its hello so its last words can be read. None when Ray cannot say."""
+        try:
+            from ray.util.state import get_task
+
+            task = get_task(gen.completed(), timeout=int(_LAST_WORDS_S))
+            labels = next(n.get("Labels") or {} for n in self.ray.nodes() if n.get("NodeID") == task.node_id)
+            host = int(labels[hosts.WORKER_ID_LABEL])
+        except Exception as exc:  # no state API, the node is gone, no label: the message says "a host"
+            log.debug("tpukit.run_on_slice: could not tell which host a dead task ran on: %s", exc)
+            return None
+        self.hello[gen] = (host, task.worker_pid, task.node_id)
+        return host
 
     def _last_words(self, gen: Any) -> None:
         """Show what a host that died wrote but could not send: read on its node from its output files."""
