@@ -18,6 +18,8 @@ import os
 import re
 from typing import Any, Sequence
 
+from ._versions import versions
+
 # libtpu otherwise asks a cloud metadata server for minutes, and a stale /tmp/libtpu_lockfile (left by
 # any earlier libtpu process) fails the next start. Both must be set before libtpu loads.
 os.environ["TPU_SKIP_MDS_QUERY"] = "1"
@@ -32,19 +34,6 @@ _TOPOLOGIES: dict[tuple[str, tuple[int, ...]], Any] = {}
 
 def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", text)[:3])
-
-
-def versions() -> dict[str, str]:
-    """jax, jaxlib and libtpu versions (part of every cache key: another libtpu may compile differently)."""
-    import importlib.metadata as md
-
-    out = {}
-    for dist in ("jax", "jaxlib", "libtpu"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[dist] = ""
-    return out
 
 
 def check() -> dict[str, str]:

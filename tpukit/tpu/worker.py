@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import importlib.metadata as md
 import importlib.util
 import json
 import logging
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TpukitError
+from ._versions import versions
 from .targets import Target
 
 log = logging.getLogger("tpukit")
@@ -48,17 +48,6 @@ class TpuCompilerMissingError(TpukitError, ImportError):
 
 class WorkerError(TpukitError):
     """The TPU compiler's worker process could not start or died."""
-
-
-def versions() -> dict[str, str]:
-    """jax, jaxlib and libtpu versions installed here, read from package metadata (imports nothing)."""
-    out = {}
-    for dist in ("jax", "jaxlib", "libtpu"):
-        try:
-            out[dist] = md.version(dist)
-        except md.PackageNotFoundError:
-            out[dist] = ""
-    return out
 
 
 def available() -> bool:
