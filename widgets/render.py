@@ -15,7 +15,7 @@ from typing import Any
 
 from tpukit import cache, tpu
 from tpukit._text import plural, seconds, table_html
-from tpukit.compiles import RECOMPILATION
+from tpukit.compiles import describe
 
 from .view import Compile, View
 
@@ -223,15 +223,9 @@ def tpu_html(v: View) -> str:
 
 def compile_text(c: Compile) -> str:
     """One listed compile as a line: ``recompilation at step 3: step graph at cell [7] line 5 (3 -> 2):
-    input_ids: (8, 16) -> (8, 24). Bucket or pad ... [graph a1b2c3d4]``: the parts
-    ``tpukit.compiles.describe`` writes, with the step the dashboard knows in place of the duration."""
-    text = f"{c.label} at step {c.step if c.step is not None else '?'}: {c.name}"
-    evidence = "; ".join(c.evidence) or (c.cause if c.kind == RECOMPILATION else "")
-    if evidence:
-        text += f": {evidence}"
-    if c.hint:
-        text += f". {_sentence(c.hint)}"
-    return text + (f" [graph {c.graph_hash[:8]}]" if c.graph_hash else "")  # eager ops have none
+    input_ids: (8, 16) -> (8, 24). Bucket or pad ... [graph a1b2c3d4]``: ``tpukit.compiles.describe``
+    with the step the dashboard knows in place of the duration."""
+    return describe(c.event, step=c.step if c.step is not None else "?")
 
 
 # ---------------------------------------------------------------- fallbacks

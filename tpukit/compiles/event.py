@@ -159,18 +159,25 @@ class CompileEvent:
 
 
 def describe(ev: CompileEvent, where: str | None = None, trusted: bool = True, hint: bool = True,
-             compact: bool = False) -> str:
+             compact: bool = False, step: int | str | None = None) -> str:
     """``recompilation: step graph at cell [4] line 9 (12 ops, 2 -> 1), 0.3 s: input_ids: (8, 16) ->
     (8, 24). Bucket or pad ... [graph 1a2b3c4d]``: the label, the name (``where`` replaces its place),
     the evidence and the hint, the hash last. Untrusted (a place shared by unrelated code): only
-    "compile" and the name. ``compact``: evidence without the graph size the name already shows."""
-    took = "still compiling" if ev.end is None else f"{ev.duration:.1f} s"
+    "compile" and the name. ``compact``: evidence without the graph size the name already shows.
+    ``step`` (a dashboard's list): ``recompilation at step 3: ...`` in place of the duration, and
+    torch_xla's cause as the evidence of a recompilation that has none."""
     name = ev.name if where is None else ev.name.replace(f" at {ev.where}", f" at {where}", 1)
-    text = f"{ev.label if trusted else 'compile'}: {name}, {took}"
+    label = ev.label if trusted else "compile"
+    if step is None:
+        text = f"{label}: {name}, {'still compiling' if ev.end is None else f'{ev.duration:.1f} s'}"
+    else:
+        text = f"{label} at step {step}: {name}"
     size = f" ({ev.graph.size})" if ev.graph is not None and compact else ""
     evidence = [e[:-len(size)] if size and e.endswith(size) else e for e in ev.evidence] if trusted else []
+    if not evidence and step is not None and trusted and ev.kind == classify.RECOMPILATION:
+        evidence = [ev.cause]
     if evidence:
         text += ": " + "; ".join(evidence)
     if trusted and hint and ev.hint:
         text += f". {ev.hint[0].upper()}{ev.hint[1:]}"
-    return text + ("" if ev.eager else f" [graph {ev.graph_hash[:8] or '?'}]")
+    return text + ("" if ev.eager or (step is not None and not ev.graph_hash) else f" [graph {ev.graph_hash[:8] or '?'}]")
