@@ -42,6 +42,16 @@ OP_LINE, MODULE_LINE = "XLA Ops", "XLA Modules"   # a device plane's lines (TPU,
 OP_HEAD = ("op", "graph", "calls", "time", "share")
 
 
+def _shown(path: str) -> str:
+    """``path`` as the report shows it: relative to the working directory when it is under it (a
+    notebook's own folder: no machine path in a saved notebook), else whole."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive (Windows)
+        return path
+    return rel if not rel.startswith(os.pardir) else path
+
+
 @dataclass(frozen=True)
 class OpTime:
     """One device op (as XLA names it, e.g. ``dot.93``) and the time it took over the profile."""
@@ -89,8 +99,9 @@ class ProfileSummary:
     @property
     def open_hint(self) -> str:
         """How to open the full trace (TensorBoard's Profile tab, in Colab and Jupyter)."""
-        return (f"%load_ext tensorboard  then  %tensorboard --logdir {self.logdir}  "
-                f"(Profile tab; needs tensorboard and xprof), or in a terminal: xprof --logdir {self.logdir}")
+        logdir = _shown(self.logdir)
+        return (f"%load_ext tensorboard  then  %tensorboard --logdir {logdir}  "
+                f"(Profile tab; needs tensorboard and xprof), or in a terminal: xprof --logdir {logdir}")
 
     def rows(self) -> list[tuple[str, str]]:
         """The summary as (label, text) rows, the top ops aside."""
@@ -106,7 +117,7 @@ class ProfileSummary:
                  f"{_dur(st.idle_s)} between them{busy}" if st.executions else "no execution in the trace"),
                 ("host", "; ".join(host)),
                 ("verdict", f"{v.sentence}. {v.suggestion[0].upper()}{v.suggestion[1:]}" if v else "none (nothing ran)"),
-                ("trace", self.trace_file), ("open it", self.open_hint), ("read by", self.reader)]
+                ("trace", _shown(self.trace_file)), ("open it", self.open_hint), ("read by", self.reader)]
 
     def _ops(self) -> tuple[list[tuple[str, ...]], str]:
         total = self.stats.op_time_s
@@ -126,7 +137,7 @@ class ProfileSummary:
 
     def _repr_html_(self) -> str:
         rows = [(k, html.escape(v) if k != "open it" else
-                 f"<code>%load_ext tensorboard</code> then <code>%tensorboard --logdir {html.escape(self.logdir)}"
+                 f"<code>%load_ext tensorboard</code> then <code>%tensorboard --logdir {html.escape(_shown(self.logdir))}"
                  f"</code> (Profile tab; needs tensorboard and xprof)") for k, v in self.rows()]
         ops, title = self._ops()
         return table_html(rows, title="tpukit profile", raw=True) + (
