@@ -138,6 +138,7 @@ $(CSTAMP): $(STAMP) $(CPINS) tests/colab/test-tools.txt tests/colab/share_wheels
 test-colab: $(CSTAMP)
 	$(CVPY) tests/colab/check_pins.py $(CPINS) --install "$(CURDIR)"
 	$(CVPY) tests/colab/check_pins.py $(CPINS) --install "$(CURDIR)[pod]"
+	$(CVPY) tests/colab/check_pins.py $(CPINS) --notebooks notebooks/*.ipynb
 	$(CVPY) -m pytest tests -q --ignore=tests/e2e -p no:cacheprovider
 	TPUKIT_CPU_DEVICES=1 $(CVPY) -m pytest $(NBVAL) notebooks -q -p no:cacheprovider \
 		--ignore=notebooks/08_beyond_one_machine.ipynb
