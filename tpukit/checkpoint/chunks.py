@@ -122,7 +122,9 @@ def ahead(items: Iterator[Any], work: Callable[[Any], Any]) -> Iterator[tuple[An
     At most one result waits while the caller uses the current one, so a save
     holds two pieces. A plain thread, not ``concurrent.futures``: that refuses new
     work once the interpreter starts to exit, when a background save may still be
-    writing. Close the generator (``contextlib.closing``) to stop the helper early.
+    writing. Once the interpreter is exiting, Python 3.12 starts no new thread at all: then each
+    item's work runs in the caller's thread, one after the other. Close the generator
+    (``contextlib.closing``) to stop the helper early.
     """
     results: queue.Queue = queue.Queue()
     go, stop = threading.Semaphore(1), threading.Event()
@@ -140,7 +142,12 @@ def ahead(items: Iterator[Any], work: Callable[[Any], Any]) -> Iterator[tuple[An
         results.put(None)
 
     helper = threading.Thread(target=run, name="tpukit-checkpoint-copy", daemon=True)
-    helper.start()
+    try:
+        helper.start()
+    except RuntimeError:  # Python >= 3.12 starts no thread once the interpreter exits (a save flushed at exit)
+        for item in items:
+            yield item, work(item)
+        return
     try:
         while (got := results.get()) is not None:
             item, result, error = got

@@ -315,7 +315,8 @@ class _Pending:
     def join(self) -> BaseException | None:
         """Wait for the write; return (and forget) its error."""
         if self.thread is not None:
-            self.thread.join()
+            if self.thread is not threading.current_thread():  # the manager may be collected in its own writer
+                self.thread.join()
             self.thread = None
         error, self.error = self.error, None
         return error
