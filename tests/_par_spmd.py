@@ -6,6 +6,7 @@ test_parallel.py so a failure names what broke.
 """
 
 import io
+import warnings
 import json
 import sys
 import time
@@ -177,14 +178,15 @@ def _():
     opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
     param_specs = {n: spmd.sharding_spec(p) for n, p in model.named_parameters()}
     losses = []
-    for i in range(STEPS):
-        batch = spmd.shard_batch((X[i], Y[i]), MESH)
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(wrapped(batch[0]), batch[1])
-        loss.backward()
-        opt.step()
-        _xla.sync()
-        losses.append(loss.item())
+    with warnings.catch_warnings(record=True) as caught:  # what a training loop shows (fsdp() silences torch's hook notice)
+        for i in range(STEPS):
+            batch = spmd.shard_batch((X[i], Y[i]), MESH)
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(wrapped(batch[0]), batch[1])
+            loss.backward()
+            opt.step()
+            _xla.sync()
+            losses.append(loss.item())
     after_specs = {n: spmd.sharding_spec(p) for n, p in model.named_parameters()}
     # What a checkpoint does: gather to CPU, save, load into a fresh CPU model.
     state = {k: v.cpu() for k, v in model.state_dict().items()}
@@ -197,6 +199,7 @@ def _():
         restored_logits = fresh(X[0])
         live_logits = wrapped(X[0].to(_xla.device())).cpu()
     return {
+        "warnings": [str(w.message) for w in caught],
         "losses": losses, "param_specs": param_specs, "after_specs": after_specs,
         "shapes": {k: list(v.shape) for k, v in state.items()},
         "ref_shapes": {k: list(v.shape) for k, v in REF_STATE.items()},

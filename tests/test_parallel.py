@@ -27,6 +27,8 @@ import types
 
 import pytest
 
+from tpukit import spmd as spmd_mod
+
 import tpukit
 from tpukit import _ipython, _xla, runtime
 from tpukit import spmd as tk_spmd  # "spmd" is the fixture below
@@ -177,6 +179,7 @@ def test_fsdp_shards_parameters_and_trains(spmd):
     # FSDP changes where parameters live, not the math: same trajectory as eager CPU (tolerance as above).
     assert losses == pytest.approx(eq["ref_losses"], abs=1e-5, rel=1e-4)
     assert f["wrapper_keys"][0].startswith("_orig_module.")
+    assert not any(spmd_mod.FSDP_HOOK_NOTICE in w for w in f["warnings"]), f["warnings"]
 
 
 def test_sharded_parameters_gather_for_checkpoint(spmd):

@@ -17,6 +17,7 @@ multi-process (``xmp.spawn``-style) code see :mod:`tpukit.launch`.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import numpy as np
@@ -25,6 +26,8 @@ import torch
 from . import _xla, runtime
 from ._tree import is_tensor, tree_map
 from .errors import RuntimeStateError, ShardingError
+
+FSDP_HOOK_NOTICE = "Full backward hook is firing when gradients are computed with respect to module outputs"
 
 
 def _require_spmd(what: str) -> None:
@@ -193,4 +196,7 @@ def fsdp(model: Any, mesh: Any, axis: str = "data") -> Any:
 
         tree_map(mark, output if not hasattr(output, "to_tuple") else output.to_tuple(), is_tensor, path="output")
 
+    # torch_xla's wrapper puts a full backward hook on a module whose inputs need no gradient (the
+    # batch), and torch 2.8 then warns at every backward; it says nothing the user can act on.
+    warnings.filterwarnings("ignore", message=FSDP_HOOK_NOTICE, category=UserWarning)
     return _xla.spmd_fsdp(model, fmesh, shard_output)
