@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import warnings
@@ -155,6 +156,22 @@ def test_a_manager_of_another_live_process_is_refused_and_a_dead_ones_lock_taken
     assert mgr.save(2, w=torch.zeros(4))  # the dead process's lock is taken over
     assert mgr.all_steps() == [2]
     mgr.close()
+
+
+def test_the_locks_killed_processes_left_are_swept_and_live_ones_kept(tmp_path):
+    from tpukit.checkpoint import lock
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    folder = tmp_path / "checkpoint-locks"
+    folder.mkdir()
+    host = socket.gethostname()
+    (folder / "a.lock").write_text(f"{host} {dead.pid} 0123")      # a killed process's: swept
+    (folder / "b.lock").write_text(f"{host} {os.getpid()} 4567")   # this live process's: kept
+    (folder / "c.lock").write_text(f"elsewhere {dead.pid} 89ab")    # another machine's: not ours to judge
+    (folder / "notes.txt").write_text("not a lock")
+    assert lock.sweep(folder) == ["a.lock"]
+    assert sorted(os.listdir(folder)) == ["b.lock", "c.lock", "notes.txt"]
 
 
 # --------------------------------------------------------------------------- async saves at exit

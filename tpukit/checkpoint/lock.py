@@ -11,7 +11,9 @@ notebook or a forgotten script runs: another live process's manager is refused, 
 lock whose process is gone is taken over. Within one process the newest manager
 takes the directory over (re-running a notebook cell, or restarting after an
 exception whose traceback still holds the old manager, must just work) and the
-older one is refused from then on.
+older one is refused from then on. The locks that killed processes left behind
+(nothing runs at a SIGKILL) are removed by the next process that takes a lock
+(:func:`sweep`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .. import environment
 from ..errors import CheckpointError
 
 log = logging.getLogger("tpukit")
+_SWEPT: list[bool] = []  # this process swept the lock folder once
 
 
 def lock_path(directory: str | os.PathLike) -> Path:
@@ -37,6 +40,29 @@ def lock_path(directory: str | os.PathLike) -> Path:
     uid = os.getuid() if hasattr(os, "getuid") else 0
     name = hashlib.sha256(real.encode()).hexdigest()[:24] + ".lock"
     return Path(tempfile.gettempdir()) / f"tpukit-{uid}" / "checkpoint-locks" / name
+
+
+def sweep(folder: Path) -> list[str]:
+    """Remove the lock files in ``folder`` whose owner is a process of this machine that is gone
+    (each is taken over the same way a manager takes a stale lock); returns their names."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".lock")]
+    except OSError:
+        return removed
+    for name in names:
+        path = folder / name
+        try:
+            host, pid, _token = path.read_text().split()
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or not a lock this code wrote
+        if host == socket.gethostname() and pid.isdigit() and not environment.pid_alive(int(pid)):
+            stale = path.with_name(f".{name}.stale.{secrets.token_hex(4)}")
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(path, stale)
+                os.unlink(stale)
+                removed.append(name)
+    return removed
 
 
 class DirectoryLock:
@@ -64,6 +90,9 @@ class DirectoryLock:
                 )
             return False
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not _SWEPT:
+            _SWEPT.append(True)
+            sweep(self.path.parent)
         for _ in range(3):  # a lost race with another taker: look again
             if self._create():
                 self.held = True
