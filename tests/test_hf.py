@@ -6,7 +6,6 @@ for a handful of optimizer steps on the shipped sentiment sample; nothing is moc
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import warnings
 from pathlib import Path
@@ -36,10 +35,8 @@ def tok():
 @pytest.fixture(scope="module")
 def examples(tok):
     """Tokenized sentiment examples (unpadded), lengths varying from batch to batch."""
-    spec = importlib.util.spec_from_file_location("make_sample", ROOT / "notebooks/data/make_sentiment_sample.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    texts, labels = mod.load(ROOT / "notebooks/data/sentiment_sample.tsv")
+    sample = tpukit.samples.sentiment_sample(ROOT / "notebooks/data/sentiment_sample.tsv")
+    texts, labels = sample.texts, sample.labels
     enc = tok(texts[:64], truncation=True, max_length=32)
     return [{"input_ids": i, "attention_mask": m, "label": y}
             for i, m, y in zip(enc["input_ids"], enc["attention_mask"], labels[:64])]

