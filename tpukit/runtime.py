@@ -270,8 +270,9 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
         if kind == "TPU" and not started_before:  # another process holding the chips: say which, before torch_xla fails
             environment.check_tpu_free()
         trace, problems = configure(req, env)
-        if req.device == "auto" and environment.no_tpu_problem(env):  # Colab/Kaggle without a TPU: how to switch
-            problems.append(environment.no_tpu_problem(env))
+        no_tpu = environment.no_tpu_problem(env) if req.device == "auto" else None
+        if no_tpu:  # Colab/Kaggle without a TPU: how to switch
+            problems.append(no_tpu)
 
         cache_plan = cache.plan(kind, compile_cache, env, started_before)
         if cache_plan.path:

@@ -56,6 +56,7 @@ class CallbackLogic:
         self.tracker: Tracker | None = None
         self.collator: Any = None
         self.warnings: list[str] = []
+        self._followed: tuple | None = None  # (the follower before, the run's own) while a run follows its target
         self._hook: Any = None
         self._in_step = False
         self._logs: dict[str, float] = {}
@@ -154,7 +155,7 @@ class CallbackLogic:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        if getattr(self, "_followed", None):  # the run's target ends with the run; the user's own comes back
+        if self._followed:  # the run's target ends with the run; the user's own comes back
             before, mine = self._followed
             self._followed = None
             if before is not mine:
