@@ -11,7 +11,7 @@ Three loops train the same model on the same ``DataLoader``, in one process:
   listener receiving every record, with compile tracing and the HLO dump on
   (``tpukit.setup()``); with ``TPUKIT_TARGET`` set (``TPUKIT_TARGET=v5e-1 python bench/overhead.py``),
   every graph is also compiled for that TPU in the TPU compiler's worker process, and the result goes
-  to ``bench/results/overhead-<target>.json``.
+  to ``bench/results/overhead-<target>-torch_xla<release>.json``.
 
 The step is the same (``zero_grad``, forward, ``backward``, ``xm.optimizer_step``),
 so the three loops run the same graph. Tracing is configured once, before
@@ -26,7 +26,8 @@ throughput; per-step host intervals are bimodal here, as the host alternately ru
 ahead of the device and waits for it, so their median is reported only beside it).
 Ratios are taken per repetition, then the median. Repetitions during which other
 processes used more than 5% of the CPUs (read from /proc) are left out when enough
-quiet ones remain. Prints a table and writes bench/results/overhead.json with the
+quiet ones remain. Prints a table and writes bench/results/overhead-torch_xla<release>.json (the
+release the stack runs: 2.8 on Kaggle's, 2.9 on Colab's) with the
 ratios tpukit/bare (``ratio_median``) and tpukit/idiomatic
 (``ratio_idiomatic_median``); target <= 1.02 for both.
 """
@@ -47,7 +48,7 @@ import tpukit
 
 # Compile tracing and the HLO dump on, before torch_xla is imported. With TPUKIT_TARGET=v5e-1 set, every
 # graph is also compiled for that TPU in the TPU compiler's worker process (tpukit.setup(target=...)):
-# the result then goes to overhead-<target>.json.
+# the result then goes to overhead-<target>-torch_xla<release>.json.
 rt = tpukit.setup(device="cpu")
 
 import torch
@@ -128,6 +129,20 @@ class CountingListener:
         self.steps += 1
 
 
+class TpuAnswers:
+    """With a target set: each graph's answer from the TPU compiler's worker, and when it arrived."""
+
+    def __init__(self):
+        self.lines: list[tuple[float, str]] = []
+
+    def on_tpu_estimate(self, event, est):
+        self.lines.append((time.perf_counter(), f"{event.name}: {tpukit.tpu.line(est)}"))
+
+
+TPU_ANSWERS = TpuAnswers()
+if rt.target:
+    tpukit.add_listener(TPU_ANSWERS)
+
 TRACKERS: list = []
 # Added around the tpukit loop only: a listener with on_step also makes records of
 # syncs outside track(), which would put tpukit's sync hook into the other loops.
@@ -186,6 +201,7 @@ def main() -> int:
     TRACKERS.clear()
     LISTENER.steps = 0
     reps = []
+    timed_from = time.perf_counter()
     print(f"{REPS} repetitions of {STEPS} steps, loops in rotating order", flush=True)
     for r in range(REPS):
         order = LOOPS[r % 3:] + LOOPS[:r % 3]
@@ -269,7 +285,8 @@ def main() -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, XLA:CPU, torch_xla {rt.versions['torch_xla']}",
         "target": f"ratio_median <= {TARGET} and ratio_idiomatic_median <= {TARGET}",
         "tpu_target": rt.target,
-        "tpu_estimates": summaries[-1].get("tpu") if summaries else None,
+        "tpu_estimates": [text for _, text in TPU_ANSWERS.lines] if rt.target else None,
+        "tpu_answers_during_timed_reps": sum(t >= timed_from for t, _ in TPU_ANSWERS.lines) if rt.target else None,
     }
     assert LISTENER.steps == REPS * STEPS, LISTENER.steps
 
@@ -289,9 +306,15 @@ def main() -> int:
         rs = ratios(base)
         print(f"{label:34s} " + " ".join(f"{med(ratios(base, key)):15.3f}" for _, key in cols[:4])
               + f" {min(rs):8.3f} to {max(rs):.3f}")
+    if rt.target:
+        print(f"\nthe TPU compiler's worker answered for {len(TPU_ANSWERS.lines)} graphs "
+              f"({result['tpu_answers_during_timed_reps']} of them while the timed repetitions ran):")
+        for _, text in TPU_ANSWERS.lines:
+            print(f"  {text}")
     ok = result["ratio_median"] <= TARGET and result["ratio_idiomatic_median"] <= TARGET
     print(f"target (steady ratios <= {TARGET}): {'met' if ok else 'NOT met'}")
-    out = Path(__file__).parent / "results" / (f"overhead-{rt.target}.json" if rt.target else "overhead.json")
+    release = ".".join(str(rt.versions["torch_xla"]).split("+")[0].split(".")[:2])
+    out = Path(__file__).parent / "results" / f"overhead{'-' + rt.target if rt.target else ''}-torch_xla{release}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

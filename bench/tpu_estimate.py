@@ -15,7 +15,11 @@ each a sequence-classification training step with AdamW at 128 tokens:
 A fresh estimate cache (a temporary directory) makes every answer a real
 compile. Prints a table and writes ``bench/results/tpu_estimate.json``.
 
-    python bench/tpu_estimate.py [--models minilm base large] [--no-cpu] [--pairs N]
+    python bench/tpu_estimate.py [--models minilm base large] [--no-cpu] [--pairs N] [--configs "v5e-1 bf16" ...]
+
+A run updates the models and pairs it computed in the results file and keeps the others (the
+full table takes hours here: a search over an 8-chip target compiles for minutes), so the
+table can be filled in over several runs; each row records the TPU compiler it came from.
 """
 
 from __future__ import annotations
@@ -86,7 +90,16 @@ def main() -> None:
     parser.add_argument("--no-cpu", action="store_true", help="skip the XLA:CPU compile-and-run comparison")
     parser.add_argument("--pairs", type=int, default=len(CONFIGS),
                         help="how many of the target/precision pairs to search (in CONFIGS order)")
+    parser.add_argument("--configs", nargs="+", default=None, metavar="PAIR",
+                        help='the pairs to search by name, e.g. "v5e-1 fp32" "v5e-8 bf16" (instead of --pairs)')
     args = parser.parse_args()
+    configs = CONFIGS[:args.pairs]
+    if args.configs:
+        known = {f"{t} {k}": (t, k, f) for t, k, f in CONFIGS}
+        unknown = [c for c in args.configs if c not in known]
+        if unknown:
+            parser.error(f"unknown pair(s) {unknown}; known: {sorted(known)}")
+        configs = [known[c] for c in args.configs]
     os.environ["TPUKIT_TPU_CACHE"] = tempfile.mkdtemp(prefix="tpukit-tpu-bench-")
 
     import tpukit
@@ -98,12 +111,17 @@ def main() -> None:
 
     dev = _xla.device()
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    out: dict = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                             "tpu_compiler": tpukit.tpu.check()},
-                 "seq_len": SEQ, "models": {}}
+    compiler = tpukit.tpu.check()
+    out: dict = {"seq_len": SEQ, "models": {}}
+    if os.path.exists(RESULTS):  # keep what earlier runs computed
+        with open(RESULTS) as f:
+            out = json.load(f)
+        for res in out["models"].values():  # rows of a run before rows named their compiler
+            for row in res.get("largest", {}).values():
+                row.setdefault("tpu_compiler", out.get("machine", {}).get("tpu_compiler"))
+    out["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "tpu_compiler": compiler}
     for name in args.models:
-        res: dict = {}
-        out["models"][name] = res
+        res: dict = out["models"].setdefault(name, {})
         model, step = make_step(name, torch.float32, dev)
         res["parameters"] = sum(p.numel() for p in model.parameters())
         t0 = time.perf_counter()
@@ -122,15 +140,15 @@ def main() -> None:
             res["answer_s_batch32_v5e1"] = time.perf_counter() - t0
             res["estimate_batch32_v5e1"] = {"hbm_gb": est.hbm_bytes / 1e9, "fits": est.fits,
                                             "compile_s": est.compile_s, "step_ms_min": est.step_s_min * 1e3}
-        res["largest"] = {}
-        for target, kind, fsdp in CONFIGS[:args.pairs]:
+        res.setdefault("largest", {})
+        for target, kind, fsdp in configs:
             model, step = make_step(name, dtypes[kind], dev)
             t0 = time.perf_counter()
             fit = tpukit.largest_batch(step, lambda b: (make_batch(b, dev, dtypes[kind]),), target=target,
                                        start=START[name], limit=4096, bisect=1, fsdp=fsdp)
             e = fit.estimate
             row = {"batch": fit.batch, "compiles": len(fit.tried), "search_s": time.perf_counter() - t0,
-                   "fsdp": fsdp, "tried": fit.tried}
+                   "fsdp": fsdp, "tried": fit.tried, "tpu_compiler": compiler}
             if e is not None:
                 row.update(hbm_gb=e.hbm_bytes / 1e9, limit_gb=e.hbm_limit_bytes / 1e9, compile_s=e.compile_s,
                            step_ms_min=e.step_s_min * 1e3, bound=e.bound,
@@ -148,6 +166,13 @@ def main() -> None:
         cpu = res.get("xla_cpu_compile_and_run_s_batch8")
         print(f"{name:>7} {res['parameters'] / 1e6:6.0f}M {res['answer_s_batch8_v5e1']:18.1f}s "
               f"{(f'{cpu:.1f}s' if cpu else '-'):>25}")
+    print(f"\n{'model':>7} {'target':>16} {'largest batch':>13} {'HBM/chip':>9} {'TPU compile':>11} "
+          f"{'step floor':>10}  libtpu")
+    for name, res in out["models"].items():
+        for pair, row in res.get("largest", {}).items():
+            print(f"{name:>7} {pair:>16} {row['batch']:>13} {row.get('hbm_gb', 0):8.2f}G "
+                  f"{row.get('compile_s', 0):10.0f}s {row.get('step_ms_min', 0):8.1f}ms  "
+                  f"{(row.get('tpu_compiler') or {}).get('libtpu')}")
     if "base" in out["models"]:
         print(f"BERT-base batch 32 on v5e-1: answered in {out['models']['base']['answer_s_batch32_v5e1']:.1f} s")
     with open(RESULTS, "w") as f:
