@@ -23,6 +23,12 @@ CVENV  := .venv-colab
 CVPY   := $(CVENV)/bin/python
 CSTAMP := $(CVENV)/.tpukit-complete
 CPINS  := tests/colab/requirements.txt
+# Notebook 08 on Colab's stack: Colab's environment plus what 08's install cell adds there (the pod
+# extra: Ray), as an overlay that sees .venv-colab's packages through a .pth, so .venv-colab keeps
+# exactly Colab's packages for every other test.
+CPOD   := .venv-colab-pod
+CPODPY := $(CPOD)/bin/python
+CPODSTAMP := $(CPOD)/.tpukit-complete
 SITE   := -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'
 # Virtual XLA:CPU devices the notebooks run on (they read it when there is no TPU): Kaggle's eight chips.
 export TPUKIT_CPU_DEVICES ?= 8
@@ -38,7 +44,7 @@ export PYDEVD_DISABLE_FILE_VALIDATION ?= 1
 # nbval/nbconvert kernels have no widget front end: dashboards print text there.
 export TPUKIT_DASHBOARD ?= text
 
-.PHONY: lab test test-unit test-notebooks test-e2e test-e2e-classic test-colab screenshots notebooks bench doctor install clean help
+.PHONY: colab-pod lab test test-unit test-notebooks test-e2e test-e2e-classic test-colab screenshots notebooks bench doctor install clean help
 
 help:
 	@echo "make lab    - build .venv (Kaggle's stack, Python 3.12) if needed and start JupyterLab on notebooks/"
@@ -131,19 +137,33 @@ $(CSTAMP): $(STAMP) $(CPINS) tests/colab/test-tools.txt tests/colab/share_wheels
 	@touch $(CSTAMP)
 	@echo "tpukit: Colab environment ready in $(CVENV)"
 
-# What runs where (README, "The two stacks CI tests"): every unit test on both stacks; the notebooks
-# on both but 08 and 09 here. Colab's stack has no Ray, which 08 (a simulated multi-host slice) needs:
-# on Colab its install cell adds the pod extra, which keeps every Colab pin (checked here); run here it
-# would install Ray into this environment for the runs after it. 09 spends its minutes in the TPU
-# compiler, once per stack would double them: it runs on Kaggle's stack (make test), and Colab's
-# jax 0.7.2 + libtpu 0.0.21.1 are tested here by tests/test_tpu.py.
-test-colab: $(CSTAMP)
+$(CPODSTAMP): $(CSTAMP) pyproject.toml
+	rm -rf $(CPOD)
+	$(CPYTHON) -m venv $(CPOD)
+	echo "import site; site.addsitedir('$$($(CVPY) $(SITE))')" > "$$($(CPODPY) $(SITE))/colab-stack.pth"
+	$(CPODPY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["pod"]))' > $(CPOD)/pod.txt
+	$(CPODPY) -m pip install --progress-bar off -q -c $(CPINS) -r $(CPOD)/pod.txt
+	$(CPODPY) tests/colab/check_pins.py $(CPINS)
+	$(CPODPY) -c 'import ray.util.tpu, tpukit, torch_xla, IPython; assert IPython.__version__ == "7.34.0"'
+	@touch $(CPODSTAMP)
+
+colab-pod: $(CPODSTAMP)
+
+# What runs where (README, "The two stacks CI tests"): every unit test on both stacks; every notebook
+# on both but 09 here. Colab's stack has no Ray, which 08 (a simulated multi-host slice) and
+# tests/test_pod.py need: on Colab 08's install cell adds the pod extra, which keeps every Colab pin
+# (checked here), so both run in the overlay above (in .venv-colab, test_pod.py skips). 09 spends its minutes in the TPU compiler, once per stack would double them: it runs
+# on Kaggle's stack (make test), and Colab's jax 0.7.2 + libtpu 0.0.21.1 are tested here by
+# tests/test_tpu.py.
+test-colab: $(CSTAMP) $(CPODSTAMP)
 	$(CVPY) tests/colab/check_pins.py $(CPINS) --install "$(CURDIR)"
 	$(CVPY) tests/colab/check_pins.py $(CPINS) --install "$(CURDIR)[pod]"
 	$(CVPY) tests/colab/check_pins.py $(CPINS) --notebooks notebooks/*.ipynb
 	$(CVPY) -m pytest tests -q --ignore=tests/e2e -p no:cacheprovider
 	TPUKIT_CPU_DEVICES=1 $(CVPY) -m pytest $(NBVAL) notebooks -q -p no:cacheprovider \
 		--ignore=notebooks/08_beyond_one_machine.ipynb --ignore=notebooks/09_will_it_fit.ipynb
+	$(CPODPY) -m pytest tests/test_pod.py -q -p no:cacheprovider
+	TPUKIT_CPU_DEVICES=1 $(CPODPY) -m pytest $(NBVAL) notebooks/08_beyond_one_machine.ipynb -q -p no:cacheprovider
 
 # The end-to-end test on the classic front end Colab's widgets come from (Notebook 6.5.7,
 # ipywidgets 7.7.1), in .venv-colab; playwright goes in under Colab's pins (-c), so none moves.
