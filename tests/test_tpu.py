@@ -275,3 +275,64 @@ def test_spmd_fsdp_step_over_four_chips(tmp_path):
     assert fsdp["hbm"] <= 0.45 * rep["hbm"], out
     assert fsdp["outputs"] <= 0.45 * rep["outputs"], out  # outputs keep their shardings, not replicated
     assert fsdp["aliased"] > 0, out
+
+
+ORPHAN = """
+import os, signal, sys, threading, time
+import tpukit
+rt = tpukit.setup(device="cpu")
+import torch
+from tpukit.tpu import worker
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(96)]).to(rt.device)
+opt = torch.optim.AdamW(model.parameters())
+def step(x):
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    return loss
+threading.Thread(target=tpukit.estimate, args=(step, torch.ones(64, 2048, device=rt.device)),
+                 kwargs=dict(target="v5e-1", suggest=False), daemon=True).start()
+while worker.worker_pid() is None:
+    time.sleep(0.05)
+print(worker.worker_pid(), flush=True)
+time.sleep(float(sys.argv[1]))  # the graph is traced, sent, and compiling
+
+
+def cpu(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+busy = cpu(worker.worker_pid())
+time.sleep(0.5)
+print(cpu(worker.worker_pid()) - busy, flush=True)  # the worker's CPU seconds in that half second
+os.kill(os.getpid(), signal.SIGKILL)  # a kernel killed mid-compile: no exit hook runs
+"""
+
+
+def test_the_worker_ends_with_the_process_that_started_it_even_mid_compile(tmp_path):
+    # A 96-layer MLP step takes the TPU compiler about 25 s here; its starter is killed after 6 s.
+    import subprocess
+    import time
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PT_XLA_DEBUG", "XLA_FLAGS"))}
+    env.update(PJRT_DEVICE="CPU", TPUKIT_TPU_CACHE=str(tmp_path))
+    starter = subprocess.Popen([sys.executable, "-c", ORPHAN, "6"], stdout=subprocess.PIPE, text=True, env=env)
+    pid = int(starter.stdout.readline())
+    busy = float(starter.stdout.readline())
+    assert starter.wait(timeout=120) == -9
+    # Busy, so not reading its stdin: the closed pipe alone would not end it before its compile did.
+    assert busy > 0.2, busy
+    killed = time.monotonic()
+    while time.monotonic() - killed < 60:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the TPU compiler's worker {pid} outlived its starter by 60 s")
+    gone_after = time.monotonic() - killed
+    assert gone_after < 5, gone_after  # the watch notices within a second or two, long before the compile ends

@@ -15,6 +15,7 @@ import pickle
 import re
 import struct
 import sys
+import threading
 import time
 from typing import BinaryIO
 
@@ -82,8 +83,26 @@ def _write(stream: BinaryIO, reply: dict) -> None:
     stream.flush()
 
 
+def watch_parent(interval: float = 1.0) -> threading.Thread:
+    """End this process as soon as the process that started it is gone (a killed or restarted kernel):
+    stdin's end is only read between requests, and a compile can run for minutes for nobody."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval)
+            if os.getppid() != parent:  # re-parented: the starter died
+                os._exit(0)
+
+    thread = threading.Thread(target=watch, name="tpukit-tpu-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
 def main() -> None:
-    """Serve requests until stdin closes. stdout is the protocol's alone: fd 1 is pointed at stderr."""
+    """Serve requests until stdin closes or the starting process dies. stdout is the protocol's alone:
+    fd 1 is pointed at stderr."""
+    watch_parent()
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
