@@ -152,9 +152,9 @@ colab-pod: $(CPODSTAMP)
 # What runs where (README, "The two stacks CI tests"): every unit test on both stacks; every notebook
 # on both but 09 here. Colab's stack has no Ray, which 08 (a simulated multi-host slice) and
 # tests/test_pod.py need: on Colab 08's install cell adds the pod extra, which keeps every Colab pin
-# (checked here), so both run in the overlay above (in .venv-colab, test_pod.py skips). 09 spends its minutes in the TPU compiler, once per stack would double them: it runs
-# on Kaggle's stack (make test), and Colab's jax 0.7.2 + libtpu 0.0.21.1 are tested here by
-# tests/test_tpu.py.
+# (checked here), so both run in the overlay above (in .venv-colab, test_pod.py skips). 09 spends
+# its minutes in the TPU compiler, once per stack would double them: it runs on Kaggle's stack
+# (make test), and Colab's jax 0.7.2 + libtpu 0.0.21.1 are tested here by tests/test_tpu.py.
 test-colab: $(CSTAMP) $(CPODSTAMP)
 	$(CVPY) tests/colab/check_pins.py $(CPINS) --install "$(CURDIR)"
 	$(CVPY) tests/colab/check_pins.py $(CPINS) --install "$(CURDIR)[pod]"

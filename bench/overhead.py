@@ -57,6 +57,8 @@ import torch_xla.core.xla_model as xm
 import torch_xla.distributed.parallel_loader as pl
 from torch.utils.data import DataLoader, TensorDataset
 
+from tpukit._xla import versions
+
 STEPS = int(os.environ.get("BENCH_STEPS", "60"))
 REPS = int(os.environ.get("BENCH_REPS", "15"))
 WARMUP = 8
@@ -313,7 +315,7 @@ def main() -> int:
             print(f"  {text}")
     ok = result["ratio_median"] <= TARGET and result["ratio_idiomatic_median"] <= TARGET
     print(f"target (steady ratios <= {TARGET}): {'met' if ok else 'NOT met'}")
-    release = ".".join(str(rt.versions["torch_xla"]).split("+")[0].split(".")[:2])
+    release = ".".join(map(str, versions.installed()))  # the stack's torch_xla: 2.8 (Kaggle) or 2.9 (Colab)
     out = Path(__file__).parent / "results" / f"overhead{'-' + rt.target if rt.target else ''}-torch_xla{release}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

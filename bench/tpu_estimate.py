@@ -116,9 +116,6 @@ def main() -> None:
     if os.path.exists(RESULTS):  # keep what earlier runs computed
         with open(RESULTS) as f:
             out = json.load(f)
-        for res in out["models"].values():  # rows of a run before rows named their compiler
-            for row in res.get("largest", {}).values():
-                row.setdefault("tpu_compiler", out.get("machine", {}).get("tpu_compiler"))
     out["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(), "tpu_compiler": compiler}
     for name in args.models:
         res: dict = out["models"].setdefault(name, {})
