@@ -35,9 +35,23 @@ def test_each_host_is_told_its_index_the_host_count_and_host_zeros_address():
     assert defaults == {"TPU_WORKER_ID": "2", "TPU_WORKER_HOSTNAMES": "10.0.0.5,10.0.0.6,10.0.0.7,10.0.0.8",
                         "MASTER_ADDR": "10.0.0.5"}
     assert set(defaults) == set(hosts.TORCH_XLA_ENV)
+    # the group's port host 0 found free is every host's
+    always, _ = hosts.host_env(1, dict(plan, group_port=40123))
+    assert always[hosts.GROUP_PORT_ENV] == "40123"
     # a single-host slice has no peers to name
     assert hosts.host_env(0, {"count": 1, "slice": None, "hostnames": []}) == (
         {hosts.INDEX_ENV: "0", hosts.COUNT_ENV: "1", runtime.RANK_ENV: "0"}, {"TPU_WORKER_ID": "0"})
+
+
+def test_host_zero_offers_a_free_port_unless_told_one(monkeypatch):
+    import socket
+
+    monkeypatch.delenv(hosts.GROUP_PORT_ENV, raising=False)
+    port = hosts.group_port()
+    with socket.socket() as check:
+        check.bind(("", port))  # free: it binds
+    monkeypatch.setenv(hosts.GROUP_PORT_ENV, "41234")
+    assert hosts.group_port() == 41234
 
 
 def test_current_host_comes_from_the_environment_run_on_slice_sets(monkeypatch):

@@ -154,7 +154,8 @@ def checkpoint_on_host(directory):
         sharded.save(step, model=model.state_dict())
         whole.save(step, model=model.state_dict())  # replicated on the CPU: host 0 alone writes it
     seen = sorted(os.listdir(os.path.join(directory, "sharded")))  # after save returned: committed
-    return {"host": host.index, "weight": model.weight.cpu().tolist(), "seen": seen}
+    return {"host": host.index, "weight": model.weight.cpu().tolist(), "seen": seen,
+            "group_port": int(os.environ[hosts.GROUP_PORT_ENV])}
 
 
 def fail_on_host_two():
@@ -297,8 +298,16 @@ def test_checkpoints_from_a_slice_sharded_per_host_and_replicated_from_host_0(lo
 
     from tpukit import checkpoint
 
-    result = tpukit.run_on_slice(checkpoint_on_host, str(tmp_path), topology=TOPOLOGY, accelerator_version=VERSION)
+    import socket
+
+    # Another run's rendezvous already listens on the port a fixed choice would take (two simulated
+    # slices on one machine, or a stale run): host 0 gives the run a free port instead.
+    with socket.socket() as taken:
+        taken.bind(("", hosts.DEFAULT_GROUP_PORT))
+        taken.listen()
+        result = tpukit.run_on_slice(checkpoint_on_host, str(tmp_path), topology=TOPOLOGY, accelerator_version=VERSION)
     assert result["host"] == 0
+    assert result["group_port"] != hosts.DEFAULT_GROUP_PORT
     committed = ["ckpt-00000001.dcp", "ckpt-00000001.json", "ckpt-00000002.dcp", "ckpt-00000002.json"]
     assert result["seen"] == committed  # every host returned from save only after host 0 committed
     assert sorted(p.name for p in (tmp_path / "sharded").iterdir()) == committed  # no temporary directory left

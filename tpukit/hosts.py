@@ -85,9 +85,10 @@ def process_group(backend: str = "gloo", timeout_s: float = 300.0) -> Host:
     shards it owns into one checkpoint directory (on storage every host sees) and
     host 0 committing it after all have written, so ``latest()`` never sees a
     partial one. Replicated state needs no group: host 0 alone writes it
-    (``rank() == host index``). The rendezvous is host 0's address on port
-    ``TPUKIT_GROUP_PORT`` (default 8479). Off a slice, or when a group is already
-    up, it does nothing. Returns this host.
+    (``rank() == host index``). The rendezvous is host 0's address on the port
+    ``run_on_slice`` found free there before the run (``TPUKIT_GROUP_PORT``: set it
+    on host 0 to choose one; 8479 outside ``run_on_slice``). Off a slice, or when a
+    group is already up, it does nothing. Returns this host.
     """
     host = current()
     import torch.distributed as dist
@@ -164,11 +165,22 @@ def slice_shape(topology: str, accelerator_version: str) -> tuple[str, int, int]
     return infer_tpu_pod_type_from_topology(shape, version), hosts, int(resources["TPU"])
 
 
+def group_port() -> int:
+    """The port :func:`process_group` listens on when this host is host 0: ``TPUKIT_GROUP_PORT`` if
+    the host sets it, else one free now. ``run_on_slice`` asks host 0 before the run, so two runs on
+    one machine (two simulated slices, or a run beside a stale one) never rendezvous on one port."""
+    if os.environ.get(GROUP_PORT_ENV):
+        return int(os.environ[GROUP_PORT_ENV])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])
+
+
 def host_env(index: int, plan: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
     """The environment host ``index`` gets before the user's function runs: ``(always, defaults)``.
 
-    ``always``: tpukit's own variables (host index and count, slice name) and the rank
-    ``tpukit.rank()`` reads, so ``rank() == index``. ``defaults``, set only where the host lacks
+    ``always``: tpukit's own variables (host index and count, slice name, the group's port
+    host 0 gave) and the rank ``tpukit.rank()`` reads, so ``rank() == index``. ``defaults``, set only where the host lacks
     them: torch_xla's ``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES`` (every host's address in worker
     order) and ``MASTER_ADDR`` (host 0, the coordinator of torch.distributed's ``xla://`` rendezvous).
     """
@@ -176,6 +188,8 @@ def host_env(index: int, plan: Mapping[str, Any]) -> tuple[dict[str, str], dict[
     always = {INDEX_ENV: str(index), COUNT_ENV: str(plan["count"]), runtime.RANK_ENV: str(index)}
     if plan.get("slice"):
         always[SLICE_ENV] = str(plan["slice"])
+    if plan.get("group_port"):
+        always[GROUP_PORT_ENV] = str(plan["group_port"])
     defaults = {"TPU_WORKER_ID": str(index)}
     if names:
         defaults["TPU_WORKER_HOSTNAMES"] = ",".join(names)

@@ -24,7 +24,7 @@ log = logging.getLogger("tpukit")
 
 _WAIT_S = 0.5          # longest wait for a host's next message (Ctrl-C is seen at least this often)
 _CANCEL_GRACE_S = 30.0  # how long cancelled tasks get to end before the slice is released anyway
-_LAST_WORDS_S = 30.0   # how long to wait for a dead host's last output
+_NODE_TASK_S = 30.0    # how long a small task on one host may take (a free port, a dead host's last output)
 _REMOTE: dict[str, Any] = {}  # the Ray remote function, made once per process
 
 
@@ -68,6 +68,7 @@ class _Run:
         handle = raycluster.reserve(self.ray, self.topology, self.version, self.timeout)
         try:
             plan = raycluster.slice_plan(self.ray, handle, self.count)
+            plan["group_port"] = self._group_port(plan)
             if dashboard:
                 view = events.open_dashboard(hosts=self.count)
             try:
@@ -149,7 +150,7 @@ class _Run:
         try:
             from ray.util.state import get_task
 
-            task = get_task(gen.completed(), timeout=int(_LAST_WORDS_S))
+            task = get_task(gen.completed(), timeout=int(_NODE_TASK_S))
             labels = next(n.get("Labels") or {} for n in self.ray.nodes() if n.get("NodeID") == task.node_id)
             host = int(labels[hosts.WORKER_ID_LABEL])
         except Exception as exc:  # no state API, the node is gone, no label: the message says "a host"
@@ -158,18 +159,32 @@ class _Run:
         self.hello[gen] = (host, task.worker_pid, task.node_id)
         return host
 
-    def _last_words(self, gen: Any) -> None:
-        """Show what a host that died wrote but could not send: read on its node from its output files."""
+    def _on_node(self, fn: Callable, node: str, *args: Any) -> Any:
+        """``fn(*args)`` run by Ray on node ``node`` (no CPU reserved: the slice holds them); its value."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        task = _remote(self.ray, fn, num_cpus=0)
+        ref = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*args)
+        return self.ray.get(ref, timeout=_NODE_TASK_S)
+
+    def _group_port(self, plan: dict) -> int | None:
+        """A port free on host 0 now, for ``hosts.process_group``'s rendezvous (None: the default)."""
+        if not plan.get("node_ids"):
+            return None
+        try:
+            return self._on_node(hosts.group_port, plan["node_ids"][0])
+        except Exception as exc:
+            log.debug("tpukit.run_on_slice: could not ask host 0 for a free port: %s", exc)
+            return None
+
+    def _last_words(self, gen: Any) -> None:
+        """Show what a host that died wrote but could not send: read on its node from its output files."""
         if gen not in self.hello:
             return
         host, pid, node = self.hello[gen]
         offsets = {stream: self.sent.get((host, stream), 0) for stream in ("stdout", "stderr")}
-        task = _remote(self.ray, hosts.read_output, num_cpus=0)
         try:
-            ref = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid, offsets)
-            for stream, text in self.ray.get(ref, timeout=_LAST_WORDS_S).items():
+            for stream, text in self._on_node(hosts.read_output, node, pid, offsets).items():
                 self.lines.write(host, stream, text)
         except Exception as exc:  # the node itself may be gone
             log.debug("tpukit.run_on_slice: could not read host %s's last output: %s", host, exc)

@@ -118,17 +118,19 @@ def check_capacity(ray: Any, pod_type: str, topology: str, count: int, chips: in
 
 
 def slice_plan(ray: Any, handle: Any, count: int) -> dict:
-    """What every host is told: the host count, the slice name, every host's address in worker order."""
+    """What every host is told: the host count, the slice name, every host's address in worker order
+    (and, for the notebook, every host's Ray node id in worker order)."""
     from ray.util.tpu import get_tpu_nodes_for_slice
 
     name = next((sel.get(SLICE_LABEL) for sel in handle.bundle_label_selector if sel.get(SLICE_LABEL)), None)
-    addresses: dict[int, str] = {}
+    found: dict[int, dict] = {}
     for node in (get_tpu_nodes_for_slice(name) if name else []):
         worker = (node.get("Labels") or {}).get(WORKER_LABEL)
         if worker is not None:
-            addresses[int(worker)] = node.get("NodeManagerAddress")
-    names = [addresses[i] for i in sorted(addresses)] if len(addresses) == count else []
-    return {"count": count, "slice": name, "hostnames": names}
+            found[int(worker)] = node
+    nodes = [found[i] for i in sorted(found)] if len(found) == count else []
+    return {"count": count, "slice": name, "hostnames": [n.get("NodeManagerAddress") for n in nodes],
+            "node_ids": [n.get("NodeID") for n in nodes]}
 
 
 def release(handle: Any) -> None:
