@@ -160,11 +160,19 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
             start: int = 1, limit: int = 1 << 20, steps: int = 2, tried: list | None = None, fsdp: bool = False):
     """(largest fitting batch, its estimate), or None if not even a batch of 1 fits.
 
-    A size that fits (``start``, or half of ``below``, halved while refused), a second one twice as big
-    give the HBM each row costs; a third compile checks the batch that fills the chip by that slope, and
-    ``steps`` more bisect when the prediction was off. Sizes above 8 are multiples of 8.
+    A size that fits (``start``, or half of ``below``, halved while refused) and one twice as big give
+    the HBM each row costs; ``2 + steps`` more compiles follow the slope between the two largest sizes
+    that fit: towards half the chip, 16 times the size at most, while the largest fills less than a
+    quarter of it (at a few rows, padding and fixed costs hide what a row adds), then towards a full chip. Once a size is refused,
+    no guess goes past the middle of the gap (its geometric mean when the gap is wide), so a slope
+    that was wrong costs compiles, not the answer. It stops at 90 % of the chip's HBM or when the gap
+    is within 3 % of the batch. Sizes above 8 are multiples of 8. With ``fsdp`` the
+    batch is split over the target's chips: sizes are multiples of the chip count too, and the search
+    starts at 8 rows per chip (fewer are padded to a tile, and their HBM would say nothing of a row).
     """
     tried = [] if tried is None else tried
+    chips = tgt.chips if fsdp else 1
+    unit = math.lcm(8, chips)
     top = below - 1 if below else max(limit, start)
 
     def at(b: int) -> TpuEstimate:
@@ -173,41 +181,46 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
         tried.append((b, est.fits))
         return est
 
-    def round8(b: float) -> int:
+    def rounded(b: float) -> int:
         b = int(b)
-        return b - b % 8 if b > 8 else max(b, 1)
+        return b - b % unit if b > unit else max(chips * math.ceil(max(b, 1) / chips), 1)
 
-    hi, b = below, (max(1, below // 2) if below else min(start, top))
+    first = max(1, below // 2) if below else min(max(start, 8 * chips if chips > 1 else start), top)
+    hi, b = below, rounded(first)
     while not (est := at(b)).fits:
-        if b == 1:
+        if b <= chips:
             return None
-        hi, b = b, max(1, b // 2)
-    lo, best = b, est
-    if hi is None and 2 * lo <= top:
-        second = at(2 * lo)
-        if second.fits:
-            slope = (second.hbm_bytes - best.hbm_bytes) / lo
-            lo, best = 2 * lo, second
-            room = 0.98 * best.hbm_limit_bytes - best.hbm_bytes
-            guess = min(top, round8(lo + room / slope)) if slope > 0 else top
-            if guess > lo:
-                third = at(guess)
-                if third.fits:
-                    lo, best = guess, third
-                else:
-                    hi = guess
-        else:
-            hi = 2 * lo
-    for _ in range(steps if hi is not None else 0):
-        mid = round8((lo + hi) // 2)
-        if mid <= lo or mid >= hi:
+        hi, b = b, rounded(b // 2)
+    fitting = [(b, est)]  # sizes that fit, ascending
+    for _ in range(3 + steps):
+        lo, best = fitting[-1]
+        if best.hbm_bytes >= 0.9 * best.hbm_limit_bytes or (hi is not None and hi - lo <= max(unit, lo // 32)):
+            break  # the chip is nearly full, or the gap is a few rows
+        guess = None
+        if len(fitting) >= 2:
+            (b0, e0) = fitting[-2]
+            slope = (best.hbm_bytes - e0.hbm_bytes) / (lo - b0)
+            fill = 0.5 if best.hbm_bytes < 0.25 * best.hbm_limit_bytes else 0.98
+            if slope > 0:
+                guess = lo + (fill * best.hbm_limit_bytes - best.hbm_bytes) / slope
+                if fill < 0.9:  # a slope taken where the chip is nearly empty may be far off: grow 16x at most
+                    guess = min(guess, 16 * lo)
+        elif hi is None:
+            guess = 2 * lo  # a second size, for a slope
+        if hi is not None:
+            middle = math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2
+            guess = middle if guess is None or guess > middle and hi > 4 * lo else min(guess, hi - unit)
+        elif guess is None:
+            guess = top
+        guess = min(rounded(guess), top)
+        if guess <= lo or (hi is not None and guess >= hi):
             break
-        got = at(mid)
+        got = at(guess)
         if got.fits:
-            lo, best = mid, got
+            fitting.append((guess, got))
         else:
-            hi = mid
-    return lo, best
+            hi = guess
+    return fitting[-1]
 
 
 def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str | Target | None = None, *,
@@ -217,9 +230,10 @@ def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str 
     ``make_batch(b)`` returns the step's arguments for a batch of ``b`` rows (a
     tuple is unpacked, a dict passed as keywords, anything else as the one
     argument), on the XLA device. Compiles at ``start`` and twice that give the
-    HBM per row; the batch that fills the chip (at most ``limit``) is compiled
-    to check, and ``bisect`` more compiles narrow the gap when it does not fit
-    (multiples of 8). Three compiles usually answer. ``fsdp=True``: as under ``tpukit.fsdp`` over the target's
+    HBM per row; the batches that fill the chip by the slope so far (at most
+    ``limit``) are compiled next, ``3 + bisect`` compiles at most after the
+    first, each size refused narrowing the gap (multiples of 8). Four or five
+    compiles usually answer. ``fsdp=True``: as under ``tpukit.fsdp`` over the target's
     chips (see :func:`estimate`). Every compile is cached, so asking again is instant.
     """
     tgt = _resolve(target)
