@@ -14,6 +14,7 @@ releases the slice; nothing is left running on the cluster. Ray is imported lazi
 from __future__ import annotations
 
 import logging
+import random
 import time
 from typing import Any, Callable
 
@@ -24,6 +25,7 @@ log = logging.getLogger("tpukit")
 
 _WAIT_S = 0.5          # longest wait for a host's next message (Ctrl-C is seen at least this often)
 _CANCEL_GRACE_S = 30.0  # how long cancelled tasks get to end before the slice is released anyway
+_PORT_S = 120.0       # how long host 0 may take to name a free port (a new Ray worker on a busy host)
 _NODE_TASK_S = 30.0    # how long a small task on one host may take (a free port, a dead host's last output)
 _REMOTE: dict[str, Any] = {}  # the Ray remote function, made once per process
 
@@ -159,23 +161,31 @@ class _Run:
         self.hello[gen] = (host, task.worker_pid, task.node_id)
         return host
 
-    def _on_node(self, fn: Callable, node: str, *args: Any) -> Any:
+    def _on_node(self, fn: Callable, node: str, *args: Any, timeout: float = _NODE_TASK_S) -> Any:
         """``fn(*args)`` run by Ray on node ``node`` (no CPU reserved: the slice holds them); its value."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         task = _remote(self.ray, fn, num_cpus=0)
         ref = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(*args)
-        return self.ray.get(ref, timeout=_NODE_TASK_S)
-
-    def _group_port(self, plan: dict) -> int | None:
-        """A port free on host 0 now, for ``hosts.process_group``'s rendezvous (None: the default)."""
-        if not plan.get("node_ids"):
-            return None
         try:
-            return self._on_node(hosts.group_port, plan["node_ids"][0])
-        except Exception as exc:
-            log.debug("tpukit.run_on_slice: could not ask host 0 for a free port: %s", exc)
-            return None
+            return self.ray.get(ref, timeout=timeout)
+        except Exception:
+            try:
+                self.ray.cancel(ref, force=True)  # nothing left running on the node
+            except Exception:
+                pass
+            raise
+
+    def _group_port(self, plan: dict) -> int:
+        """A port free on host 0 now, for ``hosts.process_group``'s rendezvous. When host 0 cannot be
+        asked (a busy machine may take longer than the wait to start the small task), a random port
+        of the dynamic range: never one fixed port that two runs would both take."""
+        if plan.get("node_ids"):
+            try:
+                return self._on_node(hosts.group_port, plan["node_ids"][0], timeout=_PORT_S)
+            except Exception as exc:
+                log.debug("tpukit.run_on_slice: could not ask host 0 for a free port: %s", exc)
+        return random.randint(49152, 65535)
 
     def _last_words(self, gen: Any) -> None:
         """Show what a host that died wrote but could not send: read on its node from its output files."""
