@@ -180,8 +180,8 @@ def host_env(index: int, plan: Mapping[str, Any]) -> tuple[dict[str, str], dict[
     """The environment host ``index`` gets before the user's function runs: ``(always, defaults)``.
 
     ``always``: tpukit's own variables (host index and count, slice name, the group's port
-    host 0 gave) and the rank ``tpukit.rank()`` reads, so ``rank() == index``. ``defaults``, set only where the host lacks
-    them: torch_xla's ``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES`` (every host's address in worker
+    host 0 gave) and the rank ``tpukit.rank()`` reads, so ``rank() == index``. ``defaults``,
+    set only where the host lacks them: torch_xla's ``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES`` (every host's address in worker
     order) and ``MASTER_ADDR`` (host 0, the coordinator of torch.distributed's ``xla://`` rendezvous).
     """
     names = list(plan.get("hostnames") or ())

@@ -163,12 +163,13 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
     A size that fits (``start``, or half of ``below``, halved while refused) and one twice as big give
     the HBM each row costs; ``2 + steps`` more compiles follow the slope between the two largest sizes
     that fit: towards half the chip, 16 times the size at most, while the largest fills less than a
-    quarter of it (at a few rows, padding and fixed costs hide what a row adds), then towards a full chip. Once a size is refused,
-    no guess goes past the middle of the gap (its geometric mean when the gap is wide), so a slope
-    that was wrong costs compiles, not the answer. It stops at 90 % of the chip's HBM or when the gap
-    is within 3 % of the batch. Sizes above 8 are multiples of 8. With ``fsdp`` the
-    batch is split over the target's chips: sizes are multiples of the chip count too, and the search
-    starts at 8 rows per chip (fewer are padded to a tile, and their HBM would say nothing of a row).
+    quarter of it (at a few rows, padding and fixed costs hide what a row adds), then towards a full
+    chip. A refused size caps the next guesses: at the geometric mean of a gap wider than 4x (so a
+    slope that was wrong costs compiles, not the answer), just below the refused size otherwise
+    (halfway when there is no slope). It stops at 90 % of the chip's HBM or when the gap is within
+    3 % of the batch. Sizes above 8 are multiples of 8. With ``fsdp`` the batch is split over the
+    target's chips: sizes are multiples of the chip count too, and the search starts at 8 rows per
+    chip (fewer are padded to a tile, and their HBM would say nothing of a row).
     """
     tried = [] if tried is None else tried
     chips = tgt.chips if fsdp else 1
@@ -183,9 +184,9 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
 
     def rounded(b: float) -> int:
         b = int(b)
-        return b - b % unit if b > unit else max(chips * math.ceil(max(b, 1) / chips), 1)
+        return b - b % unit if b > unit else chips * math.ceil(max(b, 1) / chips)
 
-    first = max(1, below // 2) if below else min(max(start, 8 * chips if chips > 1 else start), top)
+    first = max(1, below // 2) if below else min(max(start, 8 * chips) if chips > 1 else start, top)
     hi, b = below, rounded(first)
     while not (est := at(b)).fits:
         if b <= chips:
@@ -209,7 +210,7 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
             guess = 2 * lo  # a second size, for a slope
         if hi is not None:
             middle = math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2
-            guess = middle if guess is None or guess > middle and hi > 4 * lo else min(guess, hi - unit)
+            guess = middle if guess is None or (guess > middle and hi > 4 * lo) else min(guess, hi - unit)
         elif guess is None:
             guess = top
         guess = min(rounded(guess), top)
