@@ -1,5 +1,6 @@
 """Metrics snapshots, compile events, step closures and guards on XLA:CPU (issue: core observability)."""
 
+import importlib
 import inspect
 import json
 import re
@@ -109,6 +110,85 @@ def test_log_adds_no_executions_and_reads_exact_values(rt):
     assert logged.compiles == plain.compiles == 0
     assert [r.scalars["loss"] for r in tracker.history] == [k.item() for k in kept]
     assert all(r.scalars["lr"] == 0.01 for r in tracker.history)
+
+
+def test_values_logged_over_many_steps_are_read_together_and_land_on_their_steps(rt, monkeypatch):
+    # The tracker reads logged values several steps at a time (a read waits for every execution
+    # launched before it): each value must still land on its own step, and records must reach
+    # listeners during the loop, not only at its end. READ_AFTER_S is shortened so a short loop
+    # crosses it several times.
+    monkeypatch.setattr(importlib.import_module("tpukit.steps"), "READ_AFTER_S", 0.15)
+    torch.manual_seed(3)
+    w = torch.randn(384, 384, device=rt.device) / 20
+    x0 = torch.randn(384, 384, device=rt.device)
+    _xla.sync()
+
+    class Seen:
+        def __init__(self):
+            self.steps = []
+
+        def on_step(self, rec):
+            self.steps.append(rec.step)
+
+    def loop(n):
+        x, kept, seen, during = x0, [], Seen(), []
+        tpukit.add_listener(seen)
+        try:
+            tracker = tpukit.track(range(n), progress=False)
+            for _ in tracker:
+                during.append(len(seen.steps))  # records published before this step began
+                for _ in range(6):
+                    x = torch.tanh(x @ w)
+                value = x.mean()
+                tpukit.log(value=value, step_no=len(kept))
+                kept.append(value.detach())
+                time.sleep(0.01)
+        finally:
+            tpukit.remove_listener(seen)
+        return tracker, kept, seen, during
+
+    loop(3)  # compiles the step
+    _xla.wait_device_ops()
+    before = metrics.snapshot()
+    tracker, kept, seen, during = loop(30)
+    delta = metrics.snapshot() - before
+    assert delta.compiles == 0
+    assert [r.scalars["value"] for r in tracker.history] == [k.item() for k in kept]
+    assert [r.scalars["step_no"] for r in tracker.history] == list(range(30))
+    assert seen.steps == list(range(1, 31))
+    assert during[-1] >= 5, during  # records arrived while the loop ran
+    assert 2 <= delta.to_host < 30, delta  # fewer device reads than steps, more than the final one
+
+
+def test_a_listener_wanting_exact_steps_gets_each_record_before_the_next_step_is_launched(rt):
+    # A profile of N steps must stop before step N + 1 runs: with a listener that sets
+    # exact_steps, record k arrives when the loop has synced k steps, not k + 1 (and not in a burst).
+    w = torch.randn(64, 64, device=rt.device) / 8
+    _xla.sync()
+
+    class Exact:
+        exact_steps = True
+
+        def __init__(self):
+            self.syncs_at = []
+
+        def on_step(self, rec):
+            self.syncs_at.append((rec.step, metrics.snapshot().syncs - self.base))
+
+    exact = Exact()
+    tpukit.add_listener(exact)
+    try:
+        tracker = tpukit.track(range(6), progress=False)
+        exact.base = metrics.snapshot().syncs + 1  # track() flushes once before step 1
+        for i in tracker:
+            x = torch.tanh(torch.full((64, 64), float(i), device=rt.device) @ w)
+            tpukit.log(value=x.mean())
+    finally:
+        tpukit.remove_listener(exact)
+    assert exact.syncs_at == [(k, k) for k in range(1, 7)], exact.syncs_at
+    assert [r.step for r in tracker.history] == list(range(1, 7))
+    assert all("value" in r.scalars for r in tracker.history)
+    assert not events.wants_exact_steps()
 
 
 def test_log_rejects_non_scalars(rt):

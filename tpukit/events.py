@@ -11,6 +11,12 @@ thing happens:
 - ``on_tpu_estimate(event, estimate)``: what the TPU compiler says about a compile
   event's graph on the target TPU (``tpukit.setup(target=...)``), once per event.
 
+A tracked loop reads the values logged in its steps several steps at once, so its
+step records reach listeners in small bursts, up to about a second late. A listener
+that needs each step's record before the next step is launched (a profile of N
+steps) sets the attribute ``exact_steps = True``; while one is registered, loops
+read and publish every step before launching the next (:func:`wants_exact_steps`).
+
 :func:`call` dispatches one hook to every listener that has it, the way
 Lightning's ``Fabric.call`` does. A listener that raises is removed and reported
 once with a :class:`~tpukit.TpukitWarning`: a broken UI never breaks training.
@@ -64,6 +70,13 @@ def listeners(hook: str | None = None) -> list[Any]:
 def has(hook: str) -> bool:
     """True when at least one listener implements ``hook``."""
     return bool(listeners(hook))
+
+
+def wants_exact_steps() -> bool:
+    """True while a listener with ``exact_steps = True`` is registered: tracked loops then publish
+    each step's record before they launch the next step."""
+    with _LOCK:
+        return any(getattr(lst, "exact_steps", False) for lst in _LISTENERS)
 
 
 def call(hook: str, *args: Any) -> None:

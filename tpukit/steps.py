@@ -10,6 +10,7 @@ they are already device data: logging never adds an execution to the step.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -234,9 +235,74 @@ def loop_ended() -> None:
 
 def read_values(pending: list[tuple[str, Any]]) -> dict[str, float]:
     """Turn logged ``(name, tensor-or-number)`` pairs into floats (one device read for all tensors)."""
-    tensors = [v for _, v in pending if hasattr(v, "detach")]
+    return read_steps([pending])[0]
+
+
+def read_steps(pendings: list[list[tuple[str, Any]]]) -> list[dict[str, float]]:
+    """:func:`read_values` of several steps' logged values, with one device read for all of them."""
+    tensors = [v for pending in pendings for _, v in pending if hasattr(v, "detach")]
     cpu = iter(_xla.to_cpu(tensors, sync=False)) if tensors else iter(())
-    return {name: float(next(cpu).item()) if hasattr(v, "detach") else float(v) for name, v in pending}
+    return [{name: float(next(cpu).item()) if hasattr(v, "detach") else float(v) for name, v in pending}
+            for pending in pendings]
+
+
+#: Logged values wait this long (seconds since their step's sync) before the loop reads them, or
+#: :data:`READ_AFTER_STEPS` steps. A read waits for every execution launched before it, so reading each
+#: step as it ends kept host and device in lockstep: the device idled while the host came back from
+#: the read (on XLA:CPU often a few milliseconds, behind the data loader's thread) and launched the next
+#: step. Reading several steps at once pays that once.
+READ_AFTER_S = 1.0
+READ_AFTER_STEPS = 64
+
+
+class Unread:
+    """A loop's synced steps not published yet, oldest first: each step's record, its logged values
+    (device data) until they are read, its compile span and when it was synced. Their values are read
+    together, in one device read, once the oldest has waited :data:`READ_AFTER_S` seconds or
+    :data:`READ_AFTER_STEPS` steps, and at the end of the loop."""
+
+    def __init__(self) -> None:
+        self._steps: collections.deque = collections.deque()  # [record, values, span, synced_at]
+        self._pending = 0  # steps with values not read yet
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    @property
+    def pending(self) -> int:
+        """How many of the steps have logged values not read yet."""
+        return self._pending
+
+    def add(self, rec: StepRecord, values: list, span: tuple, synced_at: float) -> None:
+        """A step just synced, with the values logged in it."""
+        self._steps.append([rec, values, span, synced_at])
+        self._pending += bool(values)
+
+    def due(self, now: float) -> bool:
+        """Whether to read now: there are values to read and they are old enough."""
+        if not self._pending:
+            return False
+        oldest = next(s[3] for s in self._steps if s[1])
+        return now - oldest >= READ_AFTER_S or self._pending >= READ_AFTER_STEPS
+
+    def read(self) -> None:
+        """Read every unread step's values (one device read; it waits for the device)."""
+        waiting = [s for s in self._steps if s[1]]
+        if not waiting:
+            return
+        for s, found in zip(waiting, read_steps([s[1] for s in waiting])):
+            s[0] = dataclasses.replace(s[0], scalars={**s[0].scalars, **found})
+            s[1] = []
+        self._pending = 0
+
+    def take_read(self, keep_last: bool) -> list[tuple[StepRecord, tuple]]:
+        """Remove and return ``(record, span)`` of the oldest steps whose values are read, in order;
+        ``keep_last``: never the newest step (its compiles are classified after the next sync)."""
+        out = []
+        while len(self._steps) > keep_last and not self._steps[0][1]:
+            rec, _, span, _ = self._steps.popleft()
+            out.append((rec, span))
+        return out
 
 
 def take_synced() -> list[tuple[str, Any]]:
@@ -256,7 +322,11 @@ def log(**scalars: Any) -> None:
     """Record scalar values for the current step without forcing an execution.
 
     Tensors are read after the step's sync, so ``tpukit.log(loss=loss)`` costs
-    no extra graph execution. Floats and ints are recorded as they are.
+    no extra graph execution. Floats and ints are recorded as they are. In a
+    tracked loop several steps' values are read at once (:data:`READ_AFTER_S`),
+    so the host is not held back to the device's pace every step: a step's
+    record, with its values, reaches listeners after the next step's sync, or
+    with the records of the next second's short steps.
     """
     items = []
     for name, value in scalars.items():

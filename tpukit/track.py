@@ -117,10 +117,9 @@ class Tracker:
         clk = time.perf_counter
         try:
             with self._loop:
-                # A step's logged values are read, and its record published, once the
-                # *next* step has been traced and just before that step's sync: the
-                # host never waits for the device while it could be tracing, and the
-                # sync would have waited for the previous execution anyway.
+                # A step's logged values are read just before a later step's sync, several
+                # steps' at once, and its record is published after that sync (see after_step):
+                # the host seldom waits for the device while it could be tracing the next step.
                 while True:
                     t0 = clk()
                     batch = next(source, _END)  # waiting for data, and nothing else
@@ -177,15 +176,21 @@ class Tracker:
         self._n = self.batch_size or batch_size_of(batch)
 
     def after_step(self, sync: bool = True, scalars: dict | None = None) -> None:
-        """The step's work is queued: record the previous step (its values read now, without waiting
-        for this one), sync this one (``sync=False``: the loop synced by itself, e.g. the Trainer's
-        data loader) and hold its record until the next step or :meth:`end`. ``scalars``: values
-        already read on the host to add to the step's record."""
+        """The step's work is queued: read the logged values of earlier steps if they have waited
+        long enough (:data:`tpukit.steps.READ_AFTER_S`), sync this step (``sync=False``: the loop
+        synced by itself, e.g. the Trainer's data loader), then publish, in order, the records of
+        earlier steps whose values are read. A step's record is published after the next step's
+        sync at the earliest, once its compiles are classified; while a listener wants exact steps
+        (:func:`tpukit.events.wants_exact_steps`: a profile of N steps) every step is read and
+        published before the next one is launched. ``scalars``: values already read on the host to
+        add to the step's record."""
         clk = time.perf_counter
         t2 = clk()
-        if self._held is not None:
-            self._record(*self._held, self._bar)
-            self._held = None
+        exact = events.wants_exact_steps()
+        if self._unread.due(t2) or (exact and self._unread.pending):
+            self._unread.read()  # waits for every execution launched so far: the loop's wait for the device
+        if exact:
+            self._publish_read(keep_last=False)  # before this step is launched
         t3 = clk()
         if sync:
             self._loop.sync(_xla.sync)  # named after the loop: its compiles are judged with its batches
@@ -193,8 +198,9 @@ class Tracker:
         t1 = self._t1 if self._t1 is not None else t2
         times = {"input_time": self._input_time, "tracing_time": (t2 - t1) + (t4 - t3), "wait_time": t3 - t2}
         rec = self._clock.tick(dict(scalars or {}), self._n, settle=0, **times)
-        self._held = (rec, steps.take_synced(), self._clock.span)
+        self._unread.add(rec, steps.take_synced(), self._clock.span, t4)
         self._t1, self._input_time = None, 0.0
+        self._publish_read(keep_last=True)  # while the device runs this step
 
     def end(self, completed: bool = True) -> None:
         """End the loop: wait for the device, record the last step, close the loop context, and (when
@@ -219,7 +225,7 @@ class Tracker:
         self._clock = steps.Clock()
         steps.ensure_hook()
         self._loop = compiles.LoopContext(self.declared, self.hint, self.place)
-        self._held: tuple[StepRecord, list, tuple] | None = None
+        self._unread = steps.Unread()
         self._t1: float | None = None
         self._input_time = 0.0
         self._n: int | None = None
@@ -228,13 +234,13 @@ class Tracker:
         events.call("on_track_start", self)
 
     def _finish(self) -> None:
-        if self._held is not None:
+        if self._unread:
             a = time.perf_counter()
             _xla.wait_device_ops()  # the loop is done when the device is
             self.tail_wait = time.perf_counter() - a
             self.tail_device = self._clock.drain()
-            held, self._held = self._held, None
-            self._record(*held, self._bar)
+            self._unread.read()
+            self._publish_read(keep_last=False)
 
     def _close(self, completed: bool) -> None:
         steps.loop_ended()
@@ -245,9 +251,13 @@ class Tracker:
         if completed and self.dashboard is not None:
             self.dashboard.report()
 
-    def _record(self, rec: StepRecord, values: list, span: tuple, bar: Any) -> None:
-        if values:
-            rec = dataclasses.replace(rec, scalars=steps.read_values(values))
+    def _publish_read(self, keep_last: bool) -> None:
+        """Publish, oldest first, the steps whose logged values are read (``keep_last``: not the newest)."""
+        for rec, span in self._unread.take_read(keep_last):
+            self._publish(rec, span, self._bar)
+
+    def _publish(self, rec: StepRecord, span: tuple, bar: Any) -> None:
+        """Settle a step's record (its compiles classified), keep it and send it to the listeners."""
         rec = steps.Clock.settle(rec, span)  # classified by now (their HLO arrives after the sync)
         self.history.append(rec)
         events.call("on_step", rec)

@@ -78,6 +78,8 @@ class _Listener:
     """The profile's hooks on the events registry (the Profile itself is not a listener)."""
 
     def __init__(self, prof: "Profile"):
+        # A profile of N steps stops before step N + 1 is launched: it needs each record at once.
+        self.exact_steps = prof.steps is not None
         self.on_track_start = lambda tracker: prof._loop_started()
         self.on_step = prof._step
         self.on_track_end = lambda tracker: prof._loop_ended()
@@ -97,7 +99,6 @@ class Profile:
         self.trace_file: str | None = None
         self.started: float | None = None
         self.finished: float | None = None
-        self._after_step = 0  # records of steps up to this one are from before the trace
         self._tail_wait = 0.0
         self._error: str | None = None
         self._lock = threading.RLock()
@@ -166,7 +167,6 @@ class Profile:
     def _loop_started(self) -> None:
         with self._lock:
             if self.state == "armed":
-                self._after_step = 0
                 self._begin(armed=True)
 
     def _step(self, record: StepRecord) -> None:
@@ -174,9 +174,10 @@ class Profile:
             return  # a sync outside a tracked loop: no step to count
         with self._lock:
             if self.state == "armed":  # a tracked loop is running: trace from its next step
-                self._after_step = record.step
                 self._begin(armed=True)
-            elif self.state == "tracing" and record.step > self._after_step:
+            # A step is the profile's when it was launched (synced) after the trace began; records
+            # arrive in order, some in a burst, so those of steps launched before are left out.
+            elif self.state == "tracing" and record.end > (self.started or 0.0):
                 self.records.append(record)
                 if self.steps is not None and len(self.records) >= self.steps:
                     self.stop()
