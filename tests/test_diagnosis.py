@@ -17,11 +17,13 @@ import re
 import time
 
 import _diag_loops as loops
+import pytest
 import torch
 from conftest import run_python
 
 import tpukit
 from tpukit.compiles import classify, graphs
+from tpukit import steps
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 LOOPS_FILE = "_diag_loops.py"
@@ -352,6 +354,40 @@ def test_bottleneck_device_with_a_heavy_matmul_chain(rt):
         out = x.sum()
     del out
     _verdict(tracker, "device")
+
+
+def test_a_training_step_waiting_in_its_sync_for_the_device_is_not_called_tracing(rt):
+    # A step that updates the parameters in place makes the next sync wait for the previous
+    # execution (its buffers are donated): that wait is the device's, so the records count it as
+    # waiting, not tracing. Heavy matmuls, few ops: the host has little to trace.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(768, 768), torch.nn.Tanh(), torch.nn.Linear(768, 768)).to(rt.device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    batches = [torch.randn(768, 768) for _ in range(14)]
+    tracker = tpukit.track(batches, progress=False)
+    for x in tracker:
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        tpukit.log(loss=loss)
+    s = _verdict(tracker, "device")
+    steady = [r for r in tracker.history if r.step > s["settled_after"]]
+    wait, tracing = sum(r.wait_time for r in steady), sum(r.tracing_time for r in steady)
+    assert wait > tracing and wait > 0.3 * sum(r.wall for r in steady), (wait, tracing, s["shares"])
+    assert s["shares"]["tracing"] < 0.5, s["shares"]
+
+
+def test_sync_wait_is_the_part_of_the_sync_while_an_execution_ran():
+    began, seconds = 100.0, 0.5
+    samples = [(99.0, 0.2),    # ended before the sync
+               (100.3, 0.4),   # the previous step's, running when the sync began: 0.3 s of it
+               (100.4, 0.15),  # overlaps the previous one: counted once (0.1 s more)
+               (100.7, 0.3)]   # ran past the sync's end: 0.1 s of it
+    assert steps.sync_wait(samples, began, seconds) == pytest.approx(0.5)
+    assert steps.sync_wait(samples[:2], began, seconds) == pytest.approx(0.3)
+    assert steps.sync_wait(samples[:2], began, seconds, compile_time=0.4) == pytest.approx(0.1)  # capped
+    assert steps.sync_wait([(99.0, 0.2)], began, seconds) == 0.0
 
 
 # ================================================================== 3. units

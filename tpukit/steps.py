@@ -90,16 +90,21 @@ class Clock:
         self.span: tuple[compiles.Mark, compiles.Mark] = (self.mark, self.mark)  # the last step's compiles
         self.busy_until = self.last_time
 
-    def tick(self, scalars: dict, batch_size: int | None = None, settle: float = 3.0, **times: float) -> StepRecord:
+    def tick(self, scalars: dict, batch_size: int | None = None, settle: float = 3.0,
+             sync: tuple[float, float] | None = None, **times: float) -> StepRecord:
         """The record of the step that ended at the sync just made (``times``: the measured
         ``input_time``, ``tracing_time``, ``wait_time`` of a tracked step; compile time is
-        taken out of the tracing time here). Its compile events are the reader's, classified
-        (waiting at most ``settle`` seconds), or as they are now with ``settle=0``: a tracked
-        loop settles them later, with :func:`settle`, when waiting costs nothing."""
+        taken out of the tracing time here, and with ``sync``, the sync's ``(unix start,
+        seconds)``, so is the time the sync waited for the device: see :func:`sync_wait`).
+        Its compile events are the reader's, classified (waiting at most ``settle`` seconds),
+        or as they are now with ``settle=0``: a tracked loop settles them later, with
+        :func:`settle`, when waiting costs nothing."""
         now_snap, executed = metrics.snapshot_and_executions()
         d = now_snap - self.last
         if "tracing_time" in times:
-            times["tracing_time"] = max(0.0, times["tracing_time"] - d.compile_time)
+            blocked = sync_wait(executed, *sync, d.compile_time) if sync else 0.0
+            times["tracing_time"] = max(0.0, times["tracing_time"] - d.compile_time - blocked)
+            times["wait_time"] = times.get("wait_time", 0.0) + blocked
         upto = compiles.mark()
         self.span, self.mark = (self.mark, upto), upto
         events_ = ()
@@ -136,6 +141,21 @@ def _own(found: list[CompileEvent]) -> tuple[CompileEvent, ...]:
     claims): another thread's loop's compiles, made meanwhile, are not this step's."""
     loop = compiles.context.current()
     return tuple(found) if loop is None else tuple(e for e in found if e.loop in (None, loop.id))
+
+
+def sync_wait(samples: list[tuple[float, float]], began: float, seconds: float, compile_time: float = 0.0) -> float:
+    """Seconds a sync that began at unix time ``began`` and took ``seconds`` spent waiting for the device.
+
+    A step that reuses buffers the previous one updated in place (torch_xla donates the parameters'
+    buffers) cannot launch before that execution has finished, and on XLA:CPU a sync may also return
+    only once its own execution has: the host is then blocked while the device runs. The wait is the
+    part of the sync during which an execution was running (``samples``: ``(end_time, duration)``,
+    see :func:`~tpukit.metrics.execute_samples`, merged as intervals), at most the sync's time not
+    spent compiling; the sync's own host work is short next to it.
+    """
+    end = began + seconds
+    inside = [(min(e, end), min(e, end) - max(e - d, began)) for e, d in samples if e > began and e - d < end]
+    return min(busy_time(inside, began)[0], max(0.0, seconds - compile_time))
 
 
 def busy_time(samples: list[tuple[float, float]], since: float) -> tuple[float, float]:

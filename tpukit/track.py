@@ -191,13 +191,15 @@ class Tracker:
             self._unread.read()  # waits for every execution launched so far: the loop's wait for the device
         if exact:
             self._publish_read(keep_last=False)  # before this step is launched
-        t3 = clk()
+        t3, began = clk(), time.time()
         if sync:
             self._loop.sync(_xla.sync)  # named after the loop: its compiles are judged with its batches
         t4 = clk()
         t1 = self._t1 if self._t1 is not None else t2
         times = {"input_time": self._input_time, "tracing_time": (t2 - t1) + (t4 - t3), "wait_time": t3 - t2}
-        rec = self._clock.tick(dict(scalars or {}), self._n, settle=0, **times)
+        # The sync's wait for the previous step's execution is the device's time, not tracing.
+        rec = self._clock.tick(dict(scalars or {}), self._n, settle=0, sync=(began, t4 - t3) if sync else None,
+                               **times)
         self._unread.add(rec, steps.take_synced(), self._clock.span, t4)
         self._t1, self._input_time = None, 0.0
         self._publish_read(keep_last=True)  # while the device runs this step
