@@ -24,7 +24,9 @@ The measure is each loop's steady time per step: from the end of its first step
 until the device is idle after its last one, over the remaining steps (the loop's
 throughput; per-step host intervals are bimodal here, as the host alternately runs
 ahead of the device and waits for it, so their median is reported only beside it).
-Ratios are taken per repetition, then the median. Repetitions during which other
+Ratios are taken per repetition, then the median (30 repetitions: single ratios spread
+by several percent on a 2-core machine), with a bootstrap 90% interval of that median
+beside it. Repetitions during which other
 processes used more than 5% of the CPUs (read from /proc) are left out when enough
 quiet ones remain. Prints a table and writes bench/results/overhead-torch_xla<release>.json (the
 release the stack runs: 2.8 on Kaggle's, 2.9 on Colab's) with the
@@ -60,7 +62,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tpukit._xla import versions
 
 STEPS = int(os.environ.get("BENCH_STEPS", "60"))
-REPS = int(os.environ.get("BENCH_REPS", "15"))
+REPS = int(os.environ.get("BENCH_REPS", "30"))  # per-repetition ratios spread by +-8% here: 30 pin the median
 WARMUP = 8
 BATCH, DIM, HIDDEN = 128, 256, 1024
 TARGET = 1.02
@@ -195,6 +197,17 @@ def _others_share(before, after, seconds: float) -> float | None:
     return max(0.0, others / hz / (seconds * (os.cpu_count() or 1)))
 
 
+def interval(values: list[float], draws: int = 2000, level: float = 0.9) -> tuple[float, float]:
+    """A bootstrap interval of the median of ``values`` (``level``: its coverage), seeded: the same
+    ratios give the same interval."""
+    import random
+
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    cut = int(draws * (1 - level) / 2)
+    return meds[cut], meds[-cut - 1]
+
+
 def main() -> int:
     med = statistics.median
     model, opt, loader, warm = make()
@@ -249,6 +262,8 @@ def main() -> int:
         "tpukit_ms_median": steady["tpukit"],
         "ratio_median": med(ratios("bare")),
         "ratio_idiomatic_median": med(ratios("idiomatic")),
+        "ratio_interval_90": interval(ratios("bare")),
+        "ratio_idiomatic_interval_90": interval(ratios("idiomatic")),
         "ratios": ratios("bare"),
         "ratios_idiomatic": ratios("idiomatic"),
         "metric": ("steady time per step: from the end of step 1 until the device is idle after the last "
@@ -303,11 +318,12 @@ def main() -> int:
     for label, k in rows:
         print(f"{label:34s} " + " ".join(f"{per_loop(key)[k]:15.2f}" for _, key in cols))
     print(f"\n{'ratio (median per repetition)':34s} " + " ".join(f"{c:>15s}" for c, _ in cols[:4])
-          + f" {'steady, range':>18s}")
+          + f" {'steady, range':>18s} {'steady, 90% interval':>22s}")
     for label, base in (("tpukit / bare", "bare"), ("tpukit / idiomatic", "idiomatic")):
         rs = ratios(base)
+        lo, hi = interval(rs)
         print(f"{label:34s} " + " ".join(f"{med(ratios(base, key)):15.3f}" for _, key in cols[:4])
-              + f" {min(rs):8.3f} to {max(rs):.3f}")
+              + f" {min(rs):8.3f} to {max(rs):.3f} {lo:12.3f} to {hi:.3f}")
     if rt.target:
         print(f"\nthe TPU compiler's worker answered for {len(TPU_ANSWERS.lines)} graphs "
               f"({result['tpu_answers_during_timed_reps']} of them while the timed repetitions ran):")

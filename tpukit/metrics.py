@@ -106,7 +106,7 @@ def summary_line(d: Delta) -> str:
 
 def fallback_counters() -> dict:
     """Every ``aten::`` CPU-fallback counter and its count (``.item()`` excluded)."""
-    return {n: _counter(n) for n in _xla.counter_names() if n.startswith("aten::") and n != ITEM_COUNTER}
+    return {n: _counter(n) for n in _xla.fallback_ops() if n != ITEM_COUNTER}
 
 
 _EXECUTE_METRICS = ("ExecuteTime", "ExecuteReplicatedTime", "EagerOpExecuteTime")  # lazy, SPMD, eager

@@ -30,7 +30,7 @@ from __future__ import annotations
 from . import eager, versions
 from .lazy import has_pending, pending_hlo, pending_ir
 from .loader import imported_by, is_imported, torch_xla
-from .metrics import counter_names, counter_value, metric_data
+from .metrics import counter_names, counter_value, fallback_ops, metric_data
 from .profiler import profiler_start, profiler_stop
 from .replicas import local_process_count, run_replica_process, run_single_process
 from .runtime import (
@@ -72,7 +72,7 @@ __all__ = [
     "is_imported", "imported_by", "torch_xla",
     "runtime_initialized", "device", "sync", "wait_device_ops", "device_type", "device_count", "world_size",
     "process_count", "global_ordinal", "initialize_cache", "accelerator_type", "version", "memory_info",
-    "metric_data", "counter_names", "counter_value",
+    "metric_data", "counter_names", "counter_value", "fallback_ops",
     "add_step_closure", "is_xla_tensor", "tensor_id", "to_cpu", "rng_seed", "set_rng_seed",
     "use_spmd", "is_spmd", "make_mesh", "rename_mesh_axes", "mesh_axes", "is_mesh", "mark_sharding",
     "to_device_sharded", "sharding_spec", "is_sharded", "first_dim_sharding", "mp_device_loader", "spmd_fsdp",
