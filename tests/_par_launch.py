@@ -173,6 +173,7 @@ out = {}
 
 def scenario(fn):
     t0 = time.time()
+    print(f"scenario {fn.__name__} starts", file=sys.stderr, flush=True)  # a hang's output names it
     try:
         out[fn.__name__] = fn()
     except BaseException as exc:

@@ -50,7 +50,11 @@ def _env(**extra: str) -> dict:
 
 
 def _run_json(args: list, env: dict, timeout: float = 240) -> dict:
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    try:
+        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        pytest.fail(f"{args[0]} did not end within {timeout:g} s; the end of its stderr:\n{err[-4000:]}")
     assert proc.returncode == 0, f"{args[0]} exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
