@@ -11,13 +11,13 @@ import subprocess
 import sys
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("TPUKIT_DASHBOARD", "text")
 
 # Started as a background job of a script (as CI's lanes are), this process inherits SIGINT ignored, and
 # so would every process it starts: a Ctrl-C would do nothing, and the tests that press it (the launcher's,
 # the slice runner's) would wait for ever. Deliver it the way a terminal or a notebook kernel does.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
-os.environ.setdefault("TPUKIT_DASHBOARD", "text")
 
 from tpukit import runtime  # noqa: E402  (imports no torch_xla)
 

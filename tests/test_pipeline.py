@@ -301,8 +301,9 @@ for x in tracker:
     opt.step()
     opt.zero_grad()
 events_ = [e.index for r in tracker.history for e in r.compile_events]
-# The reader may publish the last compile after the loop ended (a loaded machine): wait for an answer
-# for every compile of the loop, not only for the follower's queue to be empty.
+# A compile reaches the follower only once its graph's HLO is matched to it, which can be after the loop
+# ended (a loaded machine): wait for an answer for every compile of the loop, not only for the
+# follower's queue to be empty.
 deadline = time.time() + 180
 while (tpukit.tpu.follower().pending() or not set(events_) <= {g[0] for g in got}) and time.time() < deadline:
     time.sleep(0.2)
