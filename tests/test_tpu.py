@@ -168,7 +168,63 @@ def test_the_compiler_runs_in_its_worker_never_here(rt):
     with open("/proc/self/maps") as maps:
         assert "libtpu" not in maps.read()
     with open(f"/proc/{pid}/maps") as maps:
-        assert "libtpu" in maps.read()
+        worker_maps = maps.read()
+    assert "libtpu" in worker_maps
+    # The worker runs libtpu on mimalloc when the extra installed it (Kaggle's stack here), else on glibc's
+    # malloc (Colab's pins have no cmeel-mimalloc): the preload takes effect there and never here.
+    lib = tpu.worker.allocator()
+    assert ("libmimalloc" in worker_maps) == (lib is not None and not os.environ.get("LD_PRELOAD"))
+    with open("/proc/self/maps") as maps:
+        assert "libmimalloc" not in maps.read()
+
+
+def attention_step(seq):
+    """One attention layer's training step: libtpu would rewrite it into flash attention, torch_xla says not to."""
+    torch.manual_seed(0)
+    heads, dim = 16, 64
+    proj = torch.nn.Linear(heads * dim, 3 * heads * dim).to(_xla.device())
+    opt = torch.optim.SGD(proj.parameters(), lr=0.1)
+
+    def step(x):
+        q, k, v = proj(x).view(1, seq, 3, heads, dim).permute(2, 0, 3, 1, 4)
+        out = ((q @ k.transpose(-1, -2)) / dim**0.5).softmax(-1) @ v
+        loss = out.pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, torch.randn(1, seq, heads * dim, device=_xla.device())
+
+
+def test_the_compile_gets_torch_xlas_runtime_flags_and_the_users_win(rt, monkeypatch):
+    from tpukit.tpu.flags import compile_flags, user_flags
+
+    assert compile_flags(tpu.target("v5e-8"))["xla_enable_async_all_gather"] == "true"  # torch_xla: v5 only
+    assert "xla_enable_async_all_gather" not in compile_flags(tpu.target("v6e-1"))
+    assert user_flags("--xla_tpu_enable_flash_attention=true --foo") == {
+        "xla_tpu_enable_flash_attention": "true", "foo": "true"}
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    step, x = attention_step(1024)
+    kit = tpukit.estimate(step, x, target="v5e-1", suggest=False)
+
+    def users(value):
+        # The user's LIBTPU_INIT_ARGS names the flag: compiled by a new worker (libtpu reads its flags when
+        # it loads), not served from another setting's cache entry.
+        monkeypatch.setenv("LIBTPU_INIT_ARGS", f"--xla_tpu_enable_flash_attention={value}")
+        assert "xla_tpu_enable_flash_attention" not in compile_flags(tpu.target("v5e-1"))
+        pid, misses = tpu.worker_pid(), tpu.cache_info()["misses"]
+        est = tpukit.estimate(step, x, target="v5e-1", suggest=False)
+        assert tpu.cache_info()["misses"] == misses + 1 and tpu.worker_pid() not in (None, pid)
+        return est
+
+    plain, flash = users("false"), users("true")
+    # The kit compiles what torch_xla's runtime does (flash attention off), to the byte and the FLOP.
+    assert (kit.flops, kit.temp_bytes, kit.hbm_bytes) == (plain.flops, plain.temp_bytes, plain.hbm_bytes)
+    if tuple(int(p) for p in tpu.versions()["libtpu"].split(".")[:3]) >= (0, 0, 42):
+        # libtpu 0.0.42+ rewrites this attention by default: another program, fewer FLOPs (0.0.21.1, Colab's,
+        # leaves it as it is).
+        assert kit.flops > flash.flops * 1.03, (kit.flops, flash.flops)
 
 
 def test_an_oversized_step_is_refused_with_the_compilers_numbers(rt):

@@ -127,12 +127,14 @@ def _annotate(module: Any, aliases: Sequence[tuple[int, int]], shard_over: int) 
 
 
 def compile_hlo(hlo_module_proto: bytes, devs: list, num_partitions: int = 1,
-                aliases: Sequence[tuple[int, int]] = (), shard_over: int = 1) -> dict:
+                aliases: Sequence[tuple[int, int]] = (), shard_over: int = 1,
+                flags: dict[str, str] | None = None) -> dict:
     """Compile an HLO module for ``devs`` (compile-only); the compiler's memory and cost figures.
 
     ``aliases``: (argument, output index) pairs of donated buffers. ``shard_over``: impose an FSDP
     layout over that many devices (see :func:`_annotate`); otherwise the module's own shardings hold. With
     ``num_partitions`` > 1 the module is SPMD-partitioned and its outputs keep the propagated shardings.
+    ``flags``: compiler flags for this compile only (name -> value, as in ``LIBTPU_INIT_ARGS``).
     Raises whatever the compiler raises (a refusal: ``RESOURCE_EXHAUSTED: ...``).
     """
     from jax._src import compiler
@@ -141,7 +143,9 @@ def compile_hlo(hlo_module_proto: bytes, devs: list, num_partitions: int = 1,
     from jax._src.lib.mlir import ir
 
     text = _mlir_text(hlo_module_proto)
-    options = compiler.get_compile_options(num_replicas=1, num_partitions=num_partitions)
+    # Per-compile flags (jax's compiler_options): jaxlib 0.7.2 and 0.10+ take them as strings.
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=num_partitions,
+                                           env_options_overrides={k: str(v) for k, v in (flags or {}).items()} or None)
     if num_partitions > 1:
         options.executable_build_options.use_spmd_partitioning = True
         options.executable_build_options.allow_spmd_sharding_propagation_to_output = [True]

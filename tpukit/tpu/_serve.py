@@ -47,6 +47,18 @@ def is_memory_refusal(message: str) -> bool:
     return "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message or "exceed memory" in message
 
 
+def loaded_allocator() -> str | None:
+    """The malloc library preloaded into this process (``LD_PRELOAD`` took effect), or None for glibc's."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "malloc" in line.rsplit("/", 1)[-1] and ".so" in line:
+                    return line.split()[-1]
+    except OSError:
+        pass
+    return None
+
+
 def handle(request: dict) -> dict:
     """Serve one request: ``{"op": "compile", ...}`` -> the compiler's figures or its refusal."""
     from . import _jax
@@ -54,12 +66,13 @@ def handle(request: dict) -> dict:
     if request.get("op") == "check":
         found = _jax.check()
         _jax.devices("v5e:1x1", (1, 1, 1), 1)
-        return {"versions": found}
+        return {"versions": found, "allocator": loaded_allocator()}
     devs = _jax.devices(request["topology"], request["host_bounds"], request["devices"])
     start = time.perf_counter()
     try:
         stats = _jax.compile_hlo(request["hlo"], devs, num_partitions=request["num_partitions"],
-                                 aliases=request.get("aliases", ()), shard_over=request.get("shard_over", 1))
+                                 aliases=request.get("aliases", ()), shard_over=request.get("shard_over", 1),
+                                 flags=request.get("flags") or {})
     except Exception as exc:  # the compiler's refusal is the answer, not a failure of the worker
         message = str(exc).strip()
         need, have = memory_figures(message)
