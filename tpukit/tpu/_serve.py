@@ -119,6 +119,12 @@ def main() -> None:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    try:  # load jax and libtpu before the first request arrives (it may still be being traced)
+        from . import _jax
+
+        _jax.check()
+    except ImportError:
+        pass  # the first request says so
     inp = sys.stdin.buffer
     while True:
         request = _read(inp)

@@ -131,6 +131,7 @@ def estimate(step: Callable, *args: Any, target: str | Target | None = None, sug
     """
     tgt = _resolve(target)
     worker.require()
+    worker.warm()  # jax and libtpu load in the worker while the step is traced here
     name = _name(step)
     traced = trace(step, args, kwargs)
     est = _compile(traced, tgt, name, _fsdp(traced, tgt, fsdp))
@@ -239,6 +240,7 @@ def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str 
     """
     tgt = _resolve(target)
     worker.require()
+    worker.warm()
     name = _name(step)
 
     def make(b: int) -> Traced:

@@ -151,13 +151,21 @@ class _Process:
             return subprocess.Popen([sys.executable, "-c", _BOOT.format(root=root, here=here)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
 
+    def ensure(self) -> None:
+        """Start the worker unless it runs (with the current ``LIBTPU_INIT_ARGS``)."""
+        with self.lock:
+            self._ensure_locked()
+
+    def _ensure_locked(self) -> None:
+        if self.proc is not None and self.libtpu_args != os.environ.get("LIBTPU_INIT_ARGS", ""):
+            self._stop_locked()  # libtpu reads its flags once, when it loads: a new worker reads the new ones
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = self._start()
+
     def call(self, message: dict) -> dict:
         with self.lock:
-            if self.proc is not None and self.libtpu_args != os.environ.get("LIBTPU_INIT_ARGS", ""):
-                self._stop_locked()  # libtpu reads its flags once, when it loads: a new worker reads the new ones
             for attempt in (1, 2):
-                if self.proc is None or self.proc.poll() is not None:
-                    self.proc = self._start()
+                self._ensure_locked()
                 try:
                     data = pickle.dumps(message, protocol=4)
                     self.proc.stdin.write(struct.pack(">I", len(data)) + data)
@@ -211,6 +219,13 @@ def cache_info() -> dict[str, int]:
 def worker_pid() -> int | None:
     """The worker process's id while it runs (None before the first compile or after it stopped)."""
     return _PROCESS.pid()
+
+
+def warm() -> None:
+    """Start the worker now, so it loads jax and libtpu while the caller traces (no-op when it runs, or
+    without the extra)."""
+    if available():
+        _PROCESS.ensure()
 
 
 def stop() -> None:
