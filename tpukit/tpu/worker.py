@@ -275,10 +275,10 @@ def compile(request: Request) -> dict:
 
 def check() -> dict[str, str]:
     """Start the worker, load jax, libtpu and a v5e topology there; the versions it runs and its malloc
-    (``allocator``: the preloaded library, or ``glibc``), as ``make install`` prints them."""
+    (``allocator``: the preloaded library's file name, or ``glibc``), as ``make install`` prints them."""
     require()
     reply = _PROCESS.call({"op": "check"})
     if "fatal" in reply:
         raise (TpuCompilerMissingError if reply.get("missing") else WorkerError)(
             f"the TPU compiler's worker cannot run: {reply['fatal']}")
-    return dict(reply["versions"], allocator=reply.get("allocator") or "glibc")
+    return dict(reply["versions"], allocator=os.path.basename(reply.get("allocator") or "") or "glibc")
