@@ -25,8 +25,8 @@ log = logging.getLogger("tpukit")
 
 _WAIT_S = 0.5          # longest wait for a host's next message (Ctrl-C is seen at least this often)
 _CANCEL_GRACE_S = 30.0  # how long cancelled tasks get to end before the slice is released anyway
-_PORT_S = 120.0       # how long host 0 may take to name a free port (a new Ray worker on a busy host)
-_NODE_TASK_S = 30.0    # how long a small task on one host may take (a free port, a dead host's last output)
+_NODE_TASK_S = 120.0   # how long a small task on one host may take (a free port, a dead host's last output,
+                       # which host a dead task ran on): a new Ray worker on a busy host takes that long
 _REMOTE: dict[str, Any] = {}  # the Ray remote function, made once per process
 
 
@@ -182,7 +182,7 @@ class _Run:
         of the dynamic range: never one fixed port that two runs would both take."""
         if plan.get("node_ids"):
             try:
-                return self._on_node(hosts.group_port, plan["node_ids"][0], timeout=_PORT_S)
+                return self._on_node(hosts.group_port, plan["node_ids"][0], timeout=_NODE_TASK_S)
             except Exception as exc:
                 log.debug("tpukit.run_on_slice: could not ask host 0 for a free port: %s", exc)
         return random.randint(49152, 65535)
