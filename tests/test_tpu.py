@@ -11,6 +11,7 @@ import json
 import os
 import resource
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -170,6 +171,8 @@ def test_the_compiler_runs_in_its_worker_never_here(rt):
     with open(f"/proc/{pid}/maps") as maps:
         worker_maps = maps.read()
     assert "libtpu" in worker_maps
+    # libtpu would leave a log file named after the worker's pid in /tmp/tpu_logs at every start.
+    assert not list(Path("/tmp/tpu_logs").glob(f"*.{pid}"))
     # The worker runs libtpu on mimalloc when the extra installed it (Kaggle's stack here), else on glibc's
     # malloc (Colab's pins have no cmeel-mimalloc): the preload takes effect there and never here.
     lib = tpu.worker.allocator()

@@ -7,6 +7,10 @@ it dies, and stops when this process exits. Answers are cached by
 sha256(HLO bytes) + target + compile settings + jax/jaxlib/libtpu versions, in
 memory and on disk under ``~/.cache/tpukit/tpu`` (``TPUKIT_TPU_CACHE``
 overrides), so the same graph is compiled for a target once.
+
+The worker's stderr (libtpu's warnings) goes to ``worker.log`` there. libtpu's
+own log files, a new one in ``/tmp/tpu_logs`` for every start, are off
+(``TPU_LOG_DIR=disabled``) unless ``TPU_LOG_DIR`` names a folder.
 """
 
 from __future__ import annotations
@@ -143,6 +147,7 @@ class _Process:
         root = str(Path(here).parent)
         env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
         env.pop("PJRT_DEVICE", None)
+        env.setdefault("TPU_LOG_DIR", "disabled")  # else every start leaves a file in /tmp/tpu_logs
         env.update(allocator_env(env))
         self.libtpu_args = os.environ.get("LIBTPU_INIT_ARGS", "")
         logdir = cache_dir()
