@@ -270,6 +270,18 @@ def test_largest_batch(rt):
     over = tpukit.estimate(step, make(fit.batch * 9 // 8), target="v5e-1", suggest=False)
     assert not over.fits, (fit, over)  # an eighth more does not fit
     assert "v5e-1: batch" in str(fit)
+    assert fit.refused is None or (fit.refused > fit.batch and (fit.refused, False) in fit.tried), fit
+    assert (f"{fit.refused} refused" if fit.refused else "one may fit too") in str(fit)
+
+
+def test_a_fit_without_a_refusal_says_it_is_a_lower_bound():
+    # The tried sizes of two real searches (bench/tpu_estimate.py, BERT-base bf16 on v5e-8 FSDP): the
+    # first stopped with the chip 98 % full and nothing refused, yet 2064 rows fit too (17.09 GB).
+    from tpukit.tpu import BatchFit
+
+    lower = BatchFit("v5e-8", 1632, None, ((64, True), (128, True), (696, True), (1632, True)))
+    bounded = BatchFit("v5e-8", 2064, None, ((16, True), (32, True), (4096, False), (2064, True)))
+    assert lower.refused is None and bounded.refused == 4096
 
 
 def test_largest_batch_split_over_a_targets_chips_gives_every_chip_rows(rt):

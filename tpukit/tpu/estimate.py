@@ -149,12 +149,22 @@ class BatchFit:
     estimate: TpuEstimate | None
     tried: tuple[tuple[int, bool], ...]
 
+    @property
+    def refused(self) -> int | None:
+        """The smallest size tried above ``batch`` that the compiler refused; None if none was.
+
+        Without one the answer is a lower bound: near a full chip the compiler recomputes to save
+        memory, so HBM stops growing with the batch and a larger batch may fit too.
+        """
+        return min((b for b, fits in self.tried if not fits and b > self.batch), default=None)
+
     def __str__(self) -> str:
         if not self.batch:
             return f"{self.target}: no batch fits (tried {', '.join(str(b) for b, _ in self.tried)})"
         e = self.estimate
+        bound = f"{self.refused} refused" if self.refused else "none larger tried, one may fit too"
         return (f"{self.target}: batch {self.batch} fits ({gb(e.hbm_bytes)} of {gb(e.hbm_limit_bytes)} per chip, "
-                f"step at best {e.step_s_min * 1e3:.1f} ms); {len(self.tried)} compiles")
+                f"step at best {e.step_s_min * 1e3:.1f} ms); {len(self.tried)} compiles, {bound}")
 
 
 def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | None = None,
@@ -237,6 +247,7 @@ def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str 
     first, each size refused narrowing the gap (multiples of 8). Four or five
     compiles usually answer. ``fsdp=True``: as under ``tpukit.fsdp`` over the target's
     chips (see :func:`estimate`). Every compile is cached, so asking again is instant.
+    The answer fits; :attr:`BatchFit.refused` says whether a refused size bounds it from above.
     """
     tgt = _resolve(target)
     worker.require()
