@@ -25,9 +25,11 @@ table can be filled in over several runs; each row records the TPU compiler it c
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -100,7 +102,8 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown pair(s) {unknown}; known: {sorted(known)}")
         configs = [known[c] for c in args.configs]
-    os.environ["TPUKIT_TPU_CACHE"] = tempfile.mkdtemp(prefix="tpukit-tpu-bench-")
+    os.environ["TPUKIT_TPU_CACHE"] = cache = tempfile.mkdtemp(prefix="tpukit-tpu-bench-")
+    atexit.register(shutil.rmtree, cache, True)  # after the worker stops (atexit runs last-in first)
 
     import tpukit
 

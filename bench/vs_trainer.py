@@ -73,6 +73,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -198,6 +199,7 @@ def run_trainer(rt, p: dict, tuned: bool, callback: bool = False, bucket: bool =
     c1 = time.process_time()
     t1 = time.perf_counter()
     output = trainer.train()
+    shutil.rmtree(out_dir, ignore_errors=True)
     _xla.wait_device_ops()
     total = time.perf_counter() - t1
     cpu = time.process_time() - c1
