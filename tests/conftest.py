@@ -5,6 +5,8 @@ here, at collection time, without starting the runtime. Tests that need other
 runtime settings (virtual devices, SPMD, tracing off) run in subprocesses.
 """
 
+import ast
+import functools
 import os
 import signal
 import subprocess
@@ -24,6 +26,10 @@ from tpukit import runtime  # noqa: E402  (imports no torch_xla)
 runtime.configure(runtime.Request(device="cpu"))
 
 import pytest  # noqa: E402
+
+# The scripts tests run in subprocesses (and import helpers from) live in tests/scenarios/.
+SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios")
+sys.path.insert(0, SCENARIOS)
 
 
 def run_python(code: str, env: dict | None = None, timeout: float = 300,
@@ -85,3 +91,94 @@ def _fresh_registry():
     yield
     events._reset()
     steps._reset()
+
+
+# Lanes. Each test is marked by what it uses, read from its source (and the source of the module-level
+# helpers and fixtures it calls, transitively), so that a new test lands in the right lane without anyone
+# remembering to mark it. `make test-fast` deselects these; `make test` runs everything.
+LANES = {
+    # a fresh interpreter (a new XLA runtime: 5-10 s of imports on two busy cores), or the launcher's children
+    "subprocess": ("run_python", "subprocess.run", "subprocess.Popen", "subprocess.check_output",
+                   "subprocess.call", "subprocess.check_call", "launcher.launch", "tpukit.launch"),
+    # libtpu's TPU compiler in its worker process (seconds to minutes per compile)
+    "compiler": ("estimate", "largest_batch", "compile_graph", "tpu.*", "tpukit.tpu.*", "target=v*"),
+    # a local multi-node Ray cluster
+    "cluster": ("LocalSlice", "run_on_slice", "ray.init"),
+    # a real Jupyter kernel (jupyter_client + ipykernel)
+    "kernel": ("start_new_kernel", "KernelManager", "NotebookClient"),
+    # a Hugging Face Trainer run or a pretrained checkpoint
+    "slow": ("Trainer", "from_pretrained"),
+}
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def _uses(call: ast.Call) -> set[str]:
+    """What one call uses, in the terms LANES names: its dotted name and any ``target="v..."`` keyword."""
+    name = _dotted(call.func)
+    uses = {name} if name else set()
+    for kw in call.keywords:
+        if kw.arg == "target" and isinstance(kw.value, ast.Constant) and str(kw.value.value).startswith("v"):
+            uses.add("target=v*")
+    return uses
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.endswith(".*"):
+        return name.startswith(pattern[:-1])
+    return name == pattern or name.endswith("." + pattern)
+
+
+@functools.cache
+def _module_functions(path: str) -> dict[str, tuple[frozenset[str], frozenset[str]]]:
+    """Each module-level function of a test file: (what its body uses, the names it calls)."""
+    tree = ast.parse(open(path).read(), path)
+    out = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            uses, calls = set(), set()
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Call):
+                    uses |= _uses(sub)
+                    if isinstance(sub.func, ast.Name):
+                        calls.add(sub.func.id)
+                elif isinstance(sub, ast.Name):  # a helper passed as a value (launch(_touch, ...), map(f, ...))
+                    calls.add(sub.id)
+            out[node.name] = (frozenset(uses), frozenset(calls))
+    return out
+
+
+def _lanes_of(paths: tuple[str, ...], roots: tuple[str, ...]) -> set[str]:
+    """The lanes reached from ``roots`` (the test and its fixtures) through the functions of ``paths``."""
+    functions = {}
+    for path in paths:  # the test's module wins over conftest
+        functions = {**_module_functions(path), **functions}
+    seen, todo, used = set(), list(roots), set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in functions:
+            continue
+        seen.add(name)
+        uses, calls = functions[name]
+        used |= uses
+        todo.extend(calls)
+    return {lane for lane, patterns in LANES.items() if any(_matches(u, p) for u in used for p in patterns)}
+
+
+def pytest_collection_modifyitems(config, items):
+    conftest = os.path.abspath(__file__)
+    for item in items:
+        if not isinstance(item, pytest.Function) or not str(item.fspath).endswith(".py"):
+            continue
+        roots = (item.originalname, *item.fixturenames)
+        for lane in sorted(_lanes_of((str(item.fspath), conftest), roots)):
+            item.add_marker(lane)

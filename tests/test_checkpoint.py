@@ -1,7 +1,7 @@
 """Tests of tpukit.checkpoint on XLA:CPU (real torch_xla, single device in this process).
 
 Runtime settings that cannot change after the runtime starts (SPMD, 4 virtual
-devices) and "torch_xla is not installed" run in subprocesses (tests/_ckpt_*.py).
+devices) and "torch_xla is not installed" run in subprocesses (tests/scenarios/ckpt_*.py).
 The only things mocked are what this machine cannot produce on demand: a full
 disk or a refused write (tests run as root, where chmod does not block writes;
 a real full disk is also tested where a tiny tmpfs can be mounted), and being a
@@ -36,10 +36,10 @@ from tpukit import checkpoint as ck
 from tpukit.checkpoint import manager as ck_manager
 from tpukit.errors import CheckpointError, TpukitWarning
 
-TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))
-from _ckpt_saver import content as saver_content  # noqa: E402
-from _ckpt_spmd import build as spmd_build  # noqa: E402
+SCENARIOS = Path(__file__).parent / "scenarios"
+sys.path.insert(0, str(SCENARIOS))
+from ckpt_saver import content as saver_content  # noqa: E402
+from ckpt_spmd import build as spmd_build  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def _env(**extra: str) -> dict:
 
 
 def _run(script: str, *args: str, timeout: float = 180, **env: str) -> str:
-    proc = subprocess.run([sys.executable, str(TESTS / script), *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(SCENARIOS / script), *args], capture_output=True, text=True,
                           timeout=timeout, env=_env(**env))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1]
@@ -139,7 +139,7 @@ def test_checkpoint_from_xla_loads_where_torch_xla_cannot_be_imported(tmp_path, 
     with pytest.raises(CheckpointError, match="manifest ckpt.json already belongs to ckpt.pt"):
         ck.save(on_xla, tmp_path / "ckpt.safetensors")
 
-    out = json.loads(_run("_ckpt_plain_load.py", str(tmp_path / "expected.pt"), str(tmp_path / "ckpt.pt"),
+    out = json.loads(_run("ckpt_plain_load.py", str(tmp_path / "expected.pt"), str(tmp_path / "ckpt.pt"),
                           str(tmp_path / "st.safetensors")))
     assert out["blocked"] is True and out["torch_xla_loaded"] is False and out["saved_again"] is True
     assert out["results"][str(tmp_path / "ckpt.pt")] == {"equal": True, "tied": True}
@@ -147,7 +147,7 @@ def test_checkpoint_from_xla_loads_where_torch_xla_cannot_be_imported(tmp_path, 
 
 
 def test_spmd_sharded_model_saves_full_tensors(tmp_path):
-    out = json.loads(_run("_ckpt_spmd.py", str(tmp_path / "spmd.pt"), CPU_NUM_DEVICES="4"))
+    out = json.loads(_run("ckpt_spmd.py", str(tmp_path / "spmd.pt"), CPU_NUM_DEVICES="4"))
     assert out["devices"] == 4 and out["wrapped_type"] == "XLAShardedTensor"
     assert out["specs"]["0.weight"].startswith("{devices=[4,1]") and out["specs"]["2.weight"].startswith("{devices=[1,4]")
 
@@ -206,7 +206,7 @@ def test_only_the_master_replica_writes(tmp_path, monkeypatch, dev):
 def test_sigkill_at_random_moments_never_loses_a_checkpoint(tmp_path):
     kills, seed = 24, random.randrange(1 << 30)
     rng = random.Random(seed)
-    server = subprocess.Popen([sys.executable, str(TESTS / "_ckpt_saver.py")], stdin=subprocess.PIPE,
+    server = subprocess.Popen([sys.executable, str(SCENARIOS / "ckpt_saver.py")], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, env=_env(), bufsize=1)
     child = None
     seen = {"temp": 0, "orphan": 0}

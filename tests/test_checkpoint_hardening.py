@@ -4,7 +4,7 @@ Each asserts the right result, or a clear error whose message says what to do.
 Real torch_xla on XLA:CPU throughout; programs that need a process of their own
 (a second process holding a directory, a script that ends without ``wait()``,
 SPMD over virtual devices, a clean measurement of resident memory) run
-tests/_ckpt_hardening.py. Tiny and read-only disks are real tmpfs mounts (skipped
+tests/scenarios/ckpt_hardening.py. Tiny and read-only disks are real tmpfs mounts (skipped
 where mounting is not allowed). Nothing is mocked; ``_xla.to_cpu`` is wrapped
 (it still runs) only to record the size of each copy from the device.
 """
@@ -37,7 +37,7 @@ from tpukit import checkpoint as ck
 from tpukit.checkpoint import chunks, stream
 from tpukit.errors import CheckpointError, TpukitWarning
 
-TESTS = Path(__file__).parent
+SCENARIOS = Path(__file__).parent / "scenarios"
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def _env(**extra: str) -> dict:
 
 
 def _program(*args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(TESTS / "_ckpt_hardening.py"), *args], capture_output=True,
+    return subprocess.run([sys.executable, str(SCENARIOS / "ckpt_hardening.py"), *args], capture_output=True,
                           text=True, timeout=timeout, env=_env(**env))
 
 
@@ -139,7 +139,7 @@ def test_a_newer_manager_of_the_same_process_takes_over_and_the_older_one_is_ref
 
 
 def test_a_manager_of_another_live_process_is_refused_and_a_dead_ones_lock_taken_over(tmp_path):
-    holder = subprocess.Popen([sys.executable, str(TESTS / "_ckpt_hardening.py"), "hold", str(tmp_path)],
+    holder = subprocess.Popen([sys.executable, str(SCENARIOS / "ckpt_hardening.py"), "hold", str(tmp_path)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=_env())
     try:

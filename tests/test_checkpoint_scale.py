@@ -1,6 +1,6 @@
 """Checkpoints at scale on XLA:CPU: exact resume, streamed saves, preflight, sharded SPMD states.
 
-Fresh processes (tests/_ckpt_resume.py, tests/_ckpt_sharded.py) stand for the
+Fresh processes (tests/scenarios/ckpt_resume.py, tests/scenarios/ckpt_sharded.py) stand for the
 resuming run and for meshes of 2 and 4 virtual devices (the device count is fixed
 when the runtime starts). Mocked only: low host memory (a machine cannot be
 made short of memory on demand).
@@ -29,14 +29,14 @@ from tpukit import environment
 from tpukit.checkpoint import stream
 from tpukit.errors import CheckpointError, TpukitWarning
 
-TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))
-from _ckpt_sharded import digests, loop_content  # noqa: E402
+SCENARIOS = Path(__file__).parent / "scenarios"
+sys.path.insert(0, str(SCENARIOS))
+from ckpt_sharded import digests, loop_content  # noqa: E402
 
 
 def _env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CPU_NUM_DEVICES", "XLA_USE_SPMD", "PT_XLA_DEBUG"))}
-    return {**env, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(TESTS), **extra}
+    return {**env, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(SCENARIOS), **extra}
 
 
 def _run(*args: str, timeout: float = 240, **env: str) -> str:
@@ -48,7 +48,7 @@ def _run(*args: str, timeout: float = 240, **env: str) -> str:
 # --------------------------------------------------------------------------- exact resume
 
 def test_dropout_run_resumes_bit_exact_in_a_fresh_process_that_seeded_differently(tmp_path):
-    script = str(TESTS / "_ckpt_resume.py")
+    script = str(SCENARIOS / "ckpt_resume.py")
     full = _run(script, str(tmp_path), "full").split("\n")
     resumed = _run(script, str(tmp_path), "resume").split("\n")
     losses = {int(line.split()[1]): line.split()[2] for line in full if line.startswith("loss")}
@@ -136,7 +136,7 @@ def test_low_host_memory_is_refused_before_anything_is_written(tmp_path, monkeyp
 
 @pytest.mark.parametrize("saved_on, restored_on", [(2, 4), (4, 2)])
 def test_sharded_checkpoint_restores_into_another_mesh_and_whole_on_plain_cpu(tmp_path, saved_on, restored_on):
-    script = str(TESTS / "_ckpt_sharded.py")
+    script = str(SCENARIOS / "ckpt_sharded.py")
     saved = json.loads(_run(script, "save", str(tmp_path), CPU_NUM_DEVICES=str(saved_on)).splitlines()[-1])
     assert saved["devices"] == saved_on
     assert saved["chunks"]["model.0.weight"] == saved_on  # written shard by shard, never gathered
@@ -156,7 +156,7 @@ def test_sharded_checkpoint_restores_into_another_mesh_and_whole_on_plain_cpu(tm
 
 
 def test_damaged_shard_file_is_skipped_for_the_previous_checkpoint(tmp_path):
-    _run(str(TESTS / "_ckpt_sharded.py"), "save", str(tmp_path), CPU_NUM_DEVICES="2")
+    _run(str(SCENARIOS / "ckpt_sharded.py"), "save", str(tmp_path), CPU_NUM_DEVICES="2")
     ck.save({"step": 1, "note": "older"}, tmp_path / "ckpt-00000001.pt")
     shard = tmp_path / "ckpt-00000002.dcp" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
@@ -173,7 +173,7 @@ def test_sigkill_during_sharded_saves_leaves_the_previous_checkpoint_loadable(tm
     rng = random.Random(seed)
     seen_partial = 0
     for _ in range(kills):
-        child = subprocess.Popen([sys.executable, str(TESTS / "_ckpt_sharded.py"), "loop", str(tmp_path)],
+        child = subprocess.Popen([sys.executable, str(SCENARIOS / "ckpt_sharded.py"), "loop", str(tmp_path)],
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                  env=_env(CPU_NUM_DEVICES="2"))
         try:
@@ -208,7 +208,7 @@ def test_processes_of_a_group_save_one_sharded_checkpoint_committed_once(tmp_pat
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(TESTS / "_ckpt_sharded.py"), "group", str(tmp_path)],
+    procs = [subprocess.Popen([sys.executable, str(SCENARIOS / "ckpt_sharded.py"), "group", str(tmp_path)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=_env(CPU_NUM_DEVICES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                                        RANK=str(rank), WORLD_SIZE="2"))

@@ -1,7 +1,7 @@
 """Compile diagnosis on loops users really write (issue 15), all on XLA:CPU.
 
 1. The corpus: loops copied from the PyTorch/XLA guide and Hugging Face examples
-   (tests/_diag_loops.py), each with the classification it must get: new graphs
+   (tests/scenarios/diag_loops.py), each with the classification it must get: new graphs
    (not alarms), expected compiles (declared buckets), recompilations (alarms)
    with their evidence, hint and code place; cells in a real IPython shell; the
    guard on the same loops.
@@ -16,7 +16,7 @@ import os
 import re
 import time
 
-import _diag_loops as loops
+import diag_loops as loops
 import pytest
 import torch
 from conftest import run_python
@@ -25,8 +25,8 @@ import tpukit
 from tpukit.compiles import classify, graphs
 from tpukit import steps
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-LOOPS_FILE = "_diag_loops.py"
+SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios")
+LOOPS_FILE = "diag_loops.py"
 
 
 def compiles_by_step(tracker):
@@ -53,7 +53,7 @@ def described(tracker):
 
 
 def at(marker, function):
-    """``where`` of a compile cut at the ``# MARK: marker`` line of tests/_diag_loops.py."""
+    """``where`` of a compile cut at the ``# MARK: marker`` line of tests/scenarios/diag_loops.py."""
     return f"{LOOPS_FILE}:{loops.marker_line(marker)} in {function}"
 
 
@@ -252,7 +252,7 @@ def test_last_partial_batch_of_a_dataloader_is_an_alarm(rt):
 
 def _run_helper(script, *args):
     """Run tests/<script> in a fresh interpreter; return the JSON it prints after ``RESULT``."""
-    path = os.path.join(TESTS, script)
+    path = os.path.join(SCENARIOS, script)
     proc = run_python(f"import runpy, sys; sys.argv = [{path!r}, *{list(args)!r}]; "
                       f"runpy.run_path({path!r}, run_name='__main__')", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -262,7 +262,7 @@ def _run_helper(script, *args):
 
 
 def test_cells_in_a_real_ipython_shell_name_cell_and_line():
-    cells = _run_helper("_diag_cells.py")  # the cells are in that file
+    cells = _run_helper("diag_cells.py")  # the cells are in that file
     assert [c["count"] for c in cells] == [1, 2, 3, 4]
     tracked, guide = cells[2]["events"], cells[3]["events"]
     # Cell [4]: the guide's loop, cut by xm.mark_step() at its line 8; no batch to compare,
@@ -277,7 +277,7 @@ def test_cells_in_a_real_ipython_shell_name_cell_and_line():
 
 
 def test_guard_quiet_on_idiomatic_loops_and_raises_on_recompilations():
-    out = _run_helper("_diag_guard.py")
+    out = _run_helper("diag_guard.py")
     assert out["guide_single_device"] == {"raised": None, "steps": 8, "late_compiles": 0}, out
     # These two compile after warm-up, but new graphs and declared buckets are not alarms.
     assert out["gradient_accumulation"] == {"raised": None, "steps": 10, "late_compiles": 1}, out

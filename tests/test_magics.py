@@ -22,7 +22,7 @@ import tpukit
 from tpukit import _magic_cells, compiles, events, magics
 
 EXT = "tpukit"
-HERE = os.path.dirname(os.path.abspath(__file__))
+SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios")
 LINE_MAGICS = {"tpu", "tpu_info", "xla_metrics", "xla_ir", "xla_hlo", "xla_watch", "xla_dashboard", "xla_profile"}
 CELL_MAGICS = {"xla", "xla_profile"}
 EVENTS = ("pre_execute", "pre_run_cell", "post_execute", "post_run_cell")
@@ -33,7 +33,7 @@ EVENTS = ("pre_execute", "pre_run_cell", "post_execute", "post_run_cell")
 def _start_session(mode, tmp):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PT_XLA_DEBUG", "CPU_NUM_DEVICES", "XLA_USE_SPMD"))}
     env.update(PJRT_DEVICE="CPU", TMPDIR=str(tmp))
-    return subprocess.Popen([sys.executable, os.path.join(HERE, "_magics_session.py"), EXT, mode],
+    return subprocess.Popen([sys.executable, os.path.join(SCENARIOS, "magics_session.py"), EXT, mode],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 

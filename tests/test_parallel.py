@@ -2,11 +2,11 @@
 
 Everything runs on real torch_xla on XLA:CPU. The runtime's device count and
 SPMD mode are fixed when it starts, so the SPMD checks run once in a subprocess
-with 4 virtual devices (tests/_par_spmd.py) and the launcher scenarios once in a
-fresh process where nothing touched the device yet (tests/_par_launch.py); the
+with 4 virtual devices (tests/scenarios/par_spmd.py) and the launcher scenarios once in a
+fresh process where nothing touched the device yet (tests/scenarios/par_launch.py); the
 tests below assert on what those report.
 
-XLA:CPU limitation (see /work/shared/FACTS.md, pytorch/xla #5005, #9089):
+XLA:CPU limitation (pytorch/xla #5005, #9089):
 collectives across replicas are not supported on CPU (they hang, then abort),
 so launcher tests with several replicas use independent child processes whose
 code needs no collectives, and the XLA replica code paths run with one replica.
@@ -35,7 +35,7 @@ from tpukit import spmd as tk_spmd  # "spmd" is the fixture below
 
 launcher = importlib.import_module("tpukit.launch")  # the module (tpukit.launch is the function)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -98,15 +98,15 @@ def _child_pids() -> set[int]:
 
 @pytest.fixture(scope="module")
 def spmd() -> dict:
-    """Results of tests/_par_spmd.py: 4 virtual XLA:CPU devices, tpukit.setup(spmd=True)."""
-    return _run_json([os.path.join(HERE, "_par_spmd.py")], _env(CPU_NUM_DEVICES="4"))
+    """Results of tests/scenarios/par_spmd.py: 4 virtual XLA:CPU devices, tpukit.setup(spmd=True)."""
+    return _run_json([os.path.join(SCENARIOS, "par_spmd.py")], _env(CPU_NUM_DEVICES="4"))
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory) -> dict:
-    """Results of tests/_par_launch.py, run in a process that has not started the XLA runtime."""
+    """Results of tests/scenarios/par_launch.py, run in a process that has not started the XLA runtime."""
     piddir = tmp_path_factory.mktemp("pids")
-    return _run_json([os.path.join(HERE, "_par_launch.py"), "run", str(piddir)], _env())
+    return _run_json([os.path.join(SCENARIOS, "par_launch.py"), "run", str(piddir)], _env())
 
 
 # --------------------------------------------------------------------------- SPMD
@@ -403,7 +403,7 @@ def test_refusal_names_the_cause(launched):
 
 
 def test_children_die_with_the_launching_process(tmp_path):
-    script = subprocess.Popen([sys.executable, os.path.join(HERE, "_par_launch.py"), "orphan", str(tmp_path)],
+    script = subprocess.Popen([sys.executable, os.path.join(SCENARIOS, "par_launch.py"), "orphan", str(tmp_path)],
                               env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 180  # a generous wait: CI runs two suites side by side on 2 cores

@@ -16,7 +16,7 @@ import itertools
 import sys
 import threading
 
-import _diag_loops as loops
+import diag_loops as loops
 import pytest
 import torch
 
@@ -60,7 +60,7 @@ _SIZES = itertools.count(40)  # each test's model sizes are new: its graphs comp
 
 
 def _guide_loop():
-    """The guide's "Running on a Single XLA Device" loop (as tests/_diag_loops.py has it), at sizes no
+    """The guide's "Running on a Single XLA Device" loop (as tests/scenarios/diag_loops.py has it), at sizes no
     other test compiled, so its graphs compile now."""
     import torch_xla.core.xla_model as xm
     from torch.utils.data import DataLoader, TensorDataset

@@ -1,10 +1,10 @@
 """Sharded-checkpoint programs for tests/test_checkpoint_scale.py (run with PJRT_DEVICE=CPU CPU_NUM_DEVICES=N).
 
-  python _ckpt_sharded.py save DIR    SPMD over N virtual devices: train 2 Adam steps, save checkpoint 2
-  python _ckpt_sharded.py load DIR    build the same model sharded over N devices, restore, report
-  python _ckpt_sharded.py plain DIR   torch_xla blocked: load the newest checkpoint whole on the CPU
-  python _ckpt_sharded.py loop DIR    save sharded checkpoints of a step-valued state forever (SIGKILL test)
-  python _ckpt_sharded.py group DIR   one of WORLD_SIZE processes (a gloo group, like the hosts of a slice):
+  python ckpt_sharded.py save DIR    SPMD over N virtual devices: train 2 Adam steps, save checkpoint 2
+  python ckpt_sharded.py load DIR    build the same model sharded over N devices, restore, report
+  python ckpt_sharded.py plain DIR   torch_xla blocked: load the newest checkpoint whole on the CPU
+  python ckpt_sharded.py loop DIR    save sharded checkpoints of a step-valued state forever (SIGKILL test)
+  python ckpt_sharded.py group DIR   one of WORLD_SIZE processes (a gloo group, like the hosts of a slice):
                                       each runs its own SPMD program and all save one checkpoint together
 
 save/load/plain print one JSON line: the device count, sha256 digests of every
@@ -94,7 +94,7 @@ def load(directory: str) -> None:
 
 
 def plain(directory: str) -> None:
-    import _ckpt_plain_load  # noqa: F401  (blocks every torch_xla import from here on)
+    import ckpt_plain_load  # noqa: F401  (blocks every torch_xla import from here on)
 
     from tpukit import checkpoint
 

@@ -1,7 +1,7 @@
 """A training run with dropout, for the exact-resume test (tests/test_checkpoint_scale.py).
 
-  python _ckpt_resume.py DIR full     seed 0, train steps 1..6, checkpoint after step 3
-  python _ckpt_resume.py DIR resume   seed differently, restore the step-3 checkpoint, train steps 4..6
+  python ckpt_resume.py DIR full     seed 0, train steps 1..6, checkpoint after step 3
+  python ckpt_resume.py DIR resume   seed differently, restore the step-3 checkpoint, train steps 4..6
 
 Each step draws from all four generators: dropout on the XLA device, the batch
 from torch's CPU generator, a numpy noise term and a Python ``random`` scale.

@@ -1,6 +1,6 @@
 """Helper for tests/test_magics.py: an IPython session in a fresh process, as JSON.
 
-Usage: python _magics_session.py EXTENSION fresh|late
+Usage: python magics_session.py EXTENSION fresh|late
 
 fresh: load the extension before torch_xla is imported (compile tracing on).
 late:  import torch_xla first, then load the extension (tracing off).

@@ -1,6 +1,6 @@
 """Loads checkpoints in a process where torch_xla cannot be imported (plain CPU PyTorch).
 
-Usage: python _ckpt_plain_load.py EXPECTED.pt CKPT [CKPT ...]
+Usage: python ckpt_plain_load.py EXPECTED.pt CKPT [CKPT ...]
 Blocks every torch_xla import before anything else, loads each checkpoint with
 tpukit.checkpoint.load and compares it to EXPECTED (written with torch.save),
 then saves and reloads CPU state through save() and CheckpointManager (which must

@@ -3,13 +3,13 @@
 ``tpukit.launch`` refuses to start replicas once the XLA runtime runs in the
 launching process, and the pytest process has usually started it, so these
 scenarios run here, in a process where nothing touched the device yet (until
-the last scenario, which does so on purpose). ``python _par_launch.py run DIR``
+the last scenario, which does so on purpose). ``python par_launch.py run DIR``
 prints one JSON object (the last line of stdout); the assertions live in
 test_parallel.py. Replicas write their pids to files in DIR.
 
 XLA:CPU limitation: collectives across replicas do not work on CPU, so the
 multi-replica scenarios use independent children whose code needs none, and
-the XLA scenarios use a single replica. ``python _par_launch.py orphan DIR``
+the XLA scenarios use a single replica. ``python par_launch.py orphan DIR``
 starts sleeping replicas and waits to be killed (the test kills it).
 """
 

@@ -1,11 +1,11 @@
 """Programs for tests/test_checkpoint_hardening.py that need a process of their own (run with PJRT_DEVICE=CPU).
 
-  python _ckpt_hardening.py hold DIR         a CheckpointManager saves step 1 into DIR, prints "held PID",
+  python ckpt_hardening.py hold DIR         a CheckpointManager saves step 1 into DIR, prints "held PID",
                                              then waits (holding DIR's lock) until stdin closes
-  python _ckpt_hardening.py async-exit DIR   an async save of an XLA state, then the script ends without wait()
-  python _ckpt_hardening.py shape DIR        SPMD over CPU_NUM_DEVICES virtual devices: save a sharded
+  python ckpt_hardening.py async-exit DIR   an async save of an XLA state, then the script ends without wait()
+  python ckpt_hardening.py shape DIR        SPMD over CPU_NUM_DEVICES virtual devices: save a sharded
                                              Linear(8, 16), restore it into a sharded Linear(8, 32)
-  python _ckpt_hardening.py memory MIB CHUNK_MIB   save one XLA tensor of MIB MiB with copy_chunk CHUNK_MIB;
+  python ckpt_hardening.py memory MIB CHUNK_MIB   save one XLA tensor of MIB MiB with copy_chunk CHUNK_MIB;
                                              print the peak extra resident memory of the save (VmHWM)
 
 Each prints one JSON line last (hold: its pid first). This is a test program, so it imports torch_xla.

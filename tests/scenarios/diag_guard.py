@@ -14,7 +14,7 @@ import tpukit
 
 tpukit.setup(device="cpu")
 
-import _diag_loops as loops
+import diag_loops as loops
 
 NAMES = sys.argv[1:] or ["guide_single_device", "gradient_accumulation", "bucket_batcher", "dynamic_padding",
                          "last_partial_batch"]
