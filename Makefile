@@ -17,13 +17,12 @@ STAMP  := $(VENV)/.tpukit-complete
 KPINS  := tests/kaggle/requirements.txt
 PORT   ?= 8888
 NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
-# The Colab environment: Colab's Python and notebook stack; the nvidia-* wheels both torch builds
-# share are hard-linked from .venv instead of unpacked twice.
+# The Colab environment: Colab's Python and notebook stack.
 CVENV  := .venv-colab
 CVPY   := $(CVENV)/bin/python
 CSTAMP := $(CVENV)/.tpukit-complete
 CPINS  := tests/colab/requirements.txt
-# What runs on Colab's stack (README, "The two stacks CI tests"): the tests of everything that meets
+# What runs on Colab's stack (docs/development.md): the tests of everything that meets
 # the stack's own versions (torch_xla 2.9's runtime and metrics, IPython 7's magics and cell mapping,
 # ipywidgets 7's dashboard, transformers 5.15's Trainer, jax 0.7.2's TPU compiler, Python 3.13), and the
 # notebooks a Colab user on one v5e chip opens. The multi-process launcher, the slice runner, the
