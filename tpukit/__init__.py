@@ -1,8 +1,15 @@
 """tpukit: a notebook kit for PyTorch on XLA devices (Cloud TPUs through torch_xla).
 
 ``import tpukit`` imports neither torch_xla nor any UI library (ipywidgets,
-matplotlib, IPython): it does not start the runtime.
+matplotlib, IPython): it does not start the runtime. The optional parts
+(``tpukit.hf``, ``tpukit.widgets``, ``tpukit.tpu``) are attributes after a plain
+``import tpukit``; ``tpukit.hf`` is imported on first use (and transformers with its
+``Callback``), ipywidgets and matplotlib by the front end that draws, jax only in the
+TPU compiler's worker process.
 """
+
+import importlib
+from typing import Any
 
 from ._version import __version__
 
@@ -43,6 +50,19 @@ from . import eager  # noqa: F401 (follows torch_xla's eager mode to name its pe
 # The one arrow from the core to the UI, drawn here where everything is imported: what
 # tpukit.dashboard() and track(dashboard=True) open (the core cannot import widgets).
 events.set_dashboard_factory(widgets.open_view)
+
+# The optional parts, reachable as tpukit.<name> after `import tpukit` (module __getattr__ below).
+# widgets and tpu are imported above already (they load no UI library and no jax); hf on first use.
+_PARTS = ("hf", "widgets", "tpu")
+
+
+def __getattr__(name: str) -> Any:
+    """``tpukit.hf`` (and the other optional parts) after a plain ``import tpukit``: imported on first use."""
+    if name in _PARTS:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'tpukit' has no attribute {name!r}: the public names are listed in "
+                         f"tpukit.__all__, the optional parts are {', '.join('tpukit.' + p for p in _PARTS)}.")
+
 
 __all__ = [
     "__version__",
