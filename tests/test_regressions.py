@@ -106,3 +106,45 @@ def test_hf_is_an_attribute_after_a_plain_import_tpukit():
         "tpukit.__all__" in lines[3] and "tpukit.hf" in lines[3], lines[3]
 
 
+# ---------------------------------------------------------------------------------------- 2. the target
+
+
+@needs_tpu_compiler
+def test_setup_target_is_what_estimate_compiles_for(tpu_cache):
+    # A fresh runtime: setup(target=...) starts following the target (every graph goes to the TPU compiler).
+    out = run_python(textwrap.dedent("""
+        import torch
+        import tpukit
+        from tpukit import _xla, runtime
+
+        tpukit.setup(device="cpu", target="v6e-1")  # the first call names it
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).to(_xla.device())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x):
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        x = torch.randn(8, 16, device=_xla.device())
+        print(tpukit.estimate(step, x, suggest=False).target, runtime.tpu_target().name)
+        tpukit.setup(target="v5e-1")  # a later call changes it
+        print(tpukit.estimate(step, x, suggest=False).target, runtime.tpu_target().name,
+              tpukit.tpu.follower().target.name)
+        assert not hasattr(runtime, "follow_target")  # one owner, one accessor: runtime.tpu_target()
+    """), env={"TPUKIT_TPU_CACHE": str(tpu_cache)}, drop=("TPUKIT_TARGET",))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-2:] == ["v6e-1 v6e-1", "v5e-1 v5e-1 v5e-1"], out.stdout
+
+
+@needs_tpu_compiler
+def test_estimate_without_any_target_says_how_to_name_one(rt, monkeypatch):
+    monkeypatch.delenv("TPUKIT_TARGET", raising=False)
+    if tpukit.runtime.tpu_target() is not None:
+        pytest.skip("this session's runtime has a target")
+    with pytest.raises(tpukit.TpukitError, match=r"no TPU target: pass target=.*tpukit.setup\(target='v5e-1'\)"):
+        tpukit.estimate(train_step(mlp()), torch.randn(8, 16, device=_xla.device()))
+
+

@@ -172,7 +172,8 @@ def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
         raise usage(f"%%xla --max-compiles needs N >= 0 (0 asserts that the cell compiles nothing), not {args.max_compiles}.")
     number = _cell_number(shell)
     code, last, _name = _compile_cell(shell, line, cell, number)
-    target = _target(args.target)
+    # --target, else the runtime's (setup(target=...)): checked before the cell runs; its graphs keep their HLO
+    target = runtime.tpu_target(args.target, ready=True)
 
     before = _synced_snapshot()  # earlier cells' pending work is theirs, not this cell's
     first_event = compiles.mark()
@@ -204,20 +205,6 @@ def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
         print("\n".join([f"%%xla: {delta}"] + lines + ([explain] if explain else [])
                         + (_estimates(found, target) if target else [])))
     return value
-
-
-def _target(name: str | None) -> Any:
-    """The TPU target of ``%%xla --target`` (else setup()'s), checked before the cell runs; its graphs
-    keep their protos so the TPU compiler can compile them."""
-    rt = runtime.current()
-    name = name or (rt.target if rt is not None else None)
-    if name is None:
-        return None
-    found = tpu.target(name)  # an unknown name raises, listing the known targets
-    tpu.require()
-    if compiles.tracing_enabled():
-        compiles.reader().keep_protos()
-    return found
 
 
 def _estimates(found: list, target: Any) -> list[str]:

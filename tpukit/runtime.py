@@ -206,16 +206,35 @@ def _warn(problems: tuple[str, ...] | list[str]) -> None:
             warnings.warn(p, TpukitWarning, stacklevel=3)
 
 
-def follow_target(target: str | None) -> str | None:
-    """Compile every graph recorded from now on for ``target`` as well (None: ``$TPUKIT_TARGET``, if set);
-    returns the target's name, or None when there is none. ``setup(target=...)`` and
-    ``tpukit.hf.Callback(target=...)`` call it; an unknown name or a missing TPU compiler raises."""
-    name = target or os.environ.get(TARGET_ENV) or None
+def tpu_target(name: "str | tpu.Target | None" = None, ready: bool = False) -> "tpu.Target | None":
+    """The TPU the kit compiles for: ``name`` when given, else the one ``setup(target=...)`` set, else
+    ``$TPUKIT_TARGET``; None when there is none. The runtime owns the target and every consumer reads it
+    here: ``tpukit.estimate`` and ``largest_batch`` without ``target=``, the follower ``setup`` registers,
+    ``%%xla``, the Trainer callback. An unknown name raises, listing the known targets. ``ready=True``
+    also checks that the TPU compiler is installed (else a clear error with the install line) and keeps
+    the HLO of the graphs recorded from now on, for it to compile."""
+    if name is None:
+        rt = current()
+        name = (rt.target if rt is not None else None) or os.environ.get(TARGET_ENV, "").strip() or None
     if name is None:
         return None
-    found = tpu.target(name)  # an unknown name raises, listing the known targets
-    if compiles.tracing_enabled():
-        compiles.reader().keep_protos()
+    found = tpu.target(name)
+    if ready:
+        tpu.require()
+        if compiles.tracing_enabled():
+            compiles.reader().keep_protos()
+    return found
+
+
+# tpukit.tpu (below the runtime) reads the target through this accessor: estimate() without target=.
+tpu.targets.read_default_from(tpu_target)
+
+
+def _follow(name: str | None) -> str | None:
+    """Compile every graph recorded from now on for :func:`tpu_target` ``(name)`` too; its name, or None."""
+    found = tpu_target(name, ready=True)
+    if found is None:
+        return None
     tpu.follow(found)
     return found.name
 
@@ -234,8 +253,9 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
     target: the TPU you mean to run on ("v5e-1" on Colab, "v5e-8" on Kaggle, ...; default
       ``$TPUKIT_TARGET``): every graph is also compiled for it by the real TPU compiler, in a
       worker process, and what it says (fits in HBM or not, compile time, the step's floor)
-      reaches the dashboard, ``%%xla`` and ``tracker.summary()["tpu"]``. Can be set or changed
-      by a later call.
+      reaches the dashboard, ``%%xla`` and ``tracker.summary()["tpu"]``; ``tpukit.estimate`` and
+      ``largest_batch`` compile for it when not given ``target=``. Can be set or changed by a later
+      call (:func:`tpu_target` reads it).
 
     Idempotent: later calls return the same Runtime. A setting the running runtime cannot
     take (it was started already: by an earlier ``setup()``, or before it by another call
@@ -253,7 +273,7 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
         if _STATE is not None:
             rt, first = _STATE
             if target is not None and target != rt.target:
-                rt = dataclasses.replace(rt, target=follow_target(target))
+                rt = dataclasses.replace(rt, target=_follow(target))
                 _STATE = (rt, first)
             if req == first or req == Request():
                 return rt
@@ -308,7 +328,7 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
             tpu_signals=env.tpu_signals,
             bf16=kind == "TPU",
             cache_note=cache_plan.note,
-            target=follow_target(target),
+            target=_follow(target),
         )
         if started_before:
             problems.extend(_unapplied(req, rt, only=("device", "cpu_devices"), since=since))

@@ -78,8 +78,8 @@ class CallbackLogic:
         self._followed = None
         if self.target is not None:
             before = tpu.follower()
-            runtime.follow_target(self.target.name)  # before the first compile, so every graph is sent
-            self._followed = (before, tpu.follower())
+            # before the first compile, so every graph is sent
+            self._followed = (before, tpu.follow(runtime.tpu_target(self.target.name, ready=True)))
         self.collator = checks.collator_of(train_dataloader)
         batch = int(getattr(args, "per_device_train_batch_size", 0) or 0) or None
         self.tracker = Tracker((), state.max_steps or None, None, None, False, None, self.guard, self.dashboard,

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from . import worker
 from .record import Suggestion, TpuEstimate, from_reply, gb
-from .targets import TARGETS, Target, default_target, target as _target
+from .targets import TARGETS, Target, TargetError, default_target, target as _target
 from .trace import Traced, trace
 
 
@@ -23,8 +23,9 @@ def _resolve(target: str | Target | None) -> Target:
     if target is None:
         found = default_target()
         if found is None:
-            raise ValueError("no TPU target: pass target= (e.g. target='v5e-1') or set TPUKIT_TARGET "
-                             f"(tpukit.setup(target=...)). Known targets: {', '.join(TARGETS)}.")
+            raise TargetError("no TPU target: pass target= (e.g. target='v5e-1'), or name it once with "
+                              "tpukit.setup(target='v5e-1') (or $TPUKIT_TARGET) for every estimate. "
+                              f"Known targets: {', '.join(TARGETS)}.")
         return found
     return _target(target)
 
@@ -118,7 +119,7 @@ def estimate(step: Callable, *args: Any, target: str | Target | None = None, sug
 
     The step is traced lazily on the XLA device (model and batch already there),
     its graph (everything it updates and returns) is compiled for ``target``
-    (e.g. ``"v5e-1"``; default ``TPUKIT_TARGET``) in the TPU compiler's worker
+    (e.g. ``"v5e-1"``; default: ``tpukit.setup(target=...)``'s, else ``$TPUKIT_TARGET``) in the TPU compiler's worker
     process, and the model, optimizer state, gradients, LR schedulers and random
     seeds are put back exactly as they were: the update is discarded. Buffer
     donation is carried (``aliased_bytes``); under SPMD the graph is compiled for

@@ -8,8 +8,8 @@ topology (``topology``, ``chips_per_host``), compile-only.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from typing import Callable
 
 from ..errors import TpukitError
 
@@ -94,7 +94,16 @@ def target(name: str | Target) -> Target:
     return TARGETS[key]
 
 
+# The target the kit compiles for when none is named. tpukit.runtime owns it (setup(target=...), else
+# $TPUKIT_TARGET) and hands this table its accessor when it is imported: the table sits below the runtime.
+_DEFAULT: list[Callable[[], "Target | None"]] = []
+
+
+def read_default_from(accessor: Callable[[], "Target | None"]) -> None:
+    """Where :func:`default_target` reads the target (``tpukit.runtime.tpu_target``, set once at import)."""
+    _DEFAULT[:] = [accessor]
+
+
 def default_target() -> Target | None:
-    """The target named by ``TPUKIT_TARGET`` (set by ``tpukit.setup(target=...)``), or None."""
-    name = os.environ.get("TPUKIT_TARGET", "").strip()
-    return target(name) if name else None
+    """The runtime's target (``tpukit.setup(target=...)``, else ``$TPUKIT_TARGET``), or None."""
+    return _DEFAULT[0]() if _DEFAULT else None
