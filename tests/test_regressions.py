@@ -148,3 +148,102 @@ def test_estimate_without_any_target_says_how_to_name_one(rt, monkeypatch):
         tpukit.estimate(train_step(mlp()), torch.randn(8, 16, device=_xla.device()))
 
 
+# ---------------------------------------------------------------------------------------- 3. tied weights
+
+
+@needs_tpu_compiler
+def test_estimate_ties_again_what_the_move_to_the_device_untied_and_counts_it_once(rt, tpu_cache):
+    model = gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied on the CPU
+    model.to(_xla.device())
+    # The trap itself (torch_xla 2.8 and 2.9): every parameter gets a new tensor on the device.
+    assert model.lm_head.weight is not model.transformer.wte.weight
+    ids = torch.randint(0, 64, (4, 16), device=_xla.device())
+    with pytest.warns(TpukitWarning, match=r"lm_head\.weight and transformer\.wte\.weight tied but holds them as two "
+                      r"tensors.*tpukit\.estimate tied them again with model\.tie_weights\(\)"):
+        tied = tpukit.estimate(lm_step(model), ids, target="v5e-1", suggest=False)
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+    # A model that cannot tie itself again (no tie_weights(): an attribute set on this instance stands for
+    # one) is told how, and its estimate counts the two copies: the tied one counts the embedding once.
+    apart = gpt2().to(_xla.device())
+    apart.tie_weights = None
+    with pytest.warns(TpukitWarning, match=r"could not tie them again\. Call model\.tie_weights\(\).*"
+                      r"model\.lm_head\.weight = model\.transformer\.wte\.weight"):
+        untied = tpukit.estimate(lm_step(apart), ids, target="v5e-1", suggest=False)
+    assert untied.arguments_bytes - tied.arguments_bytes >= 64 * 32 * 4, (tied.arguments_bytes, untied.arguments_bytes)
+
+
+def test_track_ties_again_what_the_move_to_the_device_untied(rt):
+    model = gpt2().to(_xla.device())
+    assert model.lm_head.weight is not model.transformer.wte.weight
+    step = lm_step(model)
+    batches = [torch.randint(0, 64, (4, 16)) for _ in range(2)]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for ids in tpukit.track(batches, progress=False):
+            step(ids)
+    said = [w for w in record if issubclass(w.category, TpukitWarning) and "lm_head.weight" in str(w.message)]
+    assert len(said) == 1, tpukit_warnings(record)  # once, at the model's first forward
+    assert "tpukit.track tied them again" in str(said[0].message)
+    assert said[0].filename == __file__, said[0].filename  # the user's line that called the model
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+# ---------------------------------------------------------------------------------------- 4. estimate's inputs
+
+
+@needs_tpu_compiler
+def test_estimate_moves_a_batch_on_the_host_to_the_device(rt, tpu_cache):
+    model = mlp()
+    on_host = torch.randn(8, 16)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        est = tpukit.estimate(train_step(model), on_host, target="v5e-1", suggest=False)
+    assert est.fits and est.note is None
+    assert not tpukit_warnings(record)
+    assert on_host.device.type == "cpu"  # the caller's tensor is left where it was
+    same = tpukit.estimate(train_step(model), on_host.to(_xla.device()), target="v5e-1", suggest=False)
+    assert (est.arguments_bytes, est.temp_bytes) == (same.arguments_bytes, same.temp_bytes)
+
+
+@needs_tpu_compiler
+def test_estimate_warns_about_a_step_that_reads_a_value_from_the_device(rt, tpu_cache):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+
+    def step(x):
+        loss = model(x).pow(2).mean()
+        seen.append(loss.item())  # a device-to-host read: the forward runs here, mid-trace
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    with pytest.warns(TpukitWarning, match=r"the step 'test_estimate_warns_about_a_step_that_reads_a_value_from_the_"
+                      r"device.<locals>.step' read 1 value\(s\) from the device.*\.item\(\)"):
+        tpukit.estimate(step, torch.randn(8, 16, device=_xla.device()), target="v5e-1", suggest=False)
+    assert len(seen) == 1
+
+
+@needs_tpu_compiler
+def test_estimate_says_a_step_without_backward_is_a_forward(rt, tpu_cache):
+    model = mlp()
+    x = torch.randn(8, 16, device=_xla.device())
+
+    def forward(x):
+        return model(x).pow(2).mean()
+
+    with pytest.warns(TpukitWarning, match="has no backward pass and no optimizer update"):
+        est = tpukit.estimate(forward, x, target="v5e-1", suggest=False)
+    assert est.note and est.note.startswith("forward only") and "note" in str(est)
+    model.eval()  # inference, on purpose: said in the estimate, not warned about
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        est = tpukit.estimate(forward, x, target="v5e-1", suggest=False)
+    assert not tpukit_warnings(record) and est.note.startswith("forward only")
+    model.train()
+    assert tpukit.estimate(train_step(model), x, target="v5e-1", suggest=False).note is None
+
+

@@ -60,3 +60,13 @@ def is_tensor(obj: Any) -> bool:
     """True for a torch.Tensor (checked without importing torch when it is not loaded)."""
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def to_device(batch: Any, device: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """Move every tensor of a (nested) batch to ``device`` (what ``tpukit.track`` does to a batch from
+    the host); Mappings such as transformers' BatchEncoding become plain dicts when they cannot be
+    rebuilt. ``is_leaf``: which values to move (default: anything with ``.to`` and ``.device``)."""
+    def move(t: Any, _path: str) -> Any:
+        return t if t.device == device else t.to(device)
+
+    return tree_map(move, batch, is_leaf or (lambda x: hasattr(x, "to") and hasattr(x, "device")))

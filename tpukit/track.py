@@ -17,6 +17,7 @@ import time
 from typing import Any, Iterable, Iterator
 
 from . import _tree, _xla, compiles, events, steps, tpu
+from ._tree import to_device
 from .guards import StepGuard
 from .spmd import device_loader
 from .steps import StepRecord
@@ -58,15 +59,6 @@ def declared_shapes(iterable: Any, shapes: Any) -> frozenset:
             raise ValueError(f"{usage}; {s!r} is neither.")
     found += list(getattr(iterable, "buckets", None) or ())
     return frozenset(tuple(s) if isinstance(s, (tuple, list)) else int(s) for s in found)
-
-
-def to_device(batch: Any, device: Any) -> Any:
-    """Move every tensor of a (nested) batch to ``device``; Mappings such as
-    transformers' BatchEncoding become plain dicts when they cannot be rebuilt."""
-    def move(t: Any, _path: str) -> Any:
-        return t if t.device == device else t.to(device)
-
-    return _tree.tree_map(move, batch, lambda x: hasattr(x, "to") and hasattr(x, "device"))
 
 
 class Tracker:
@@ -195,6 +187,7 @@ class Tracker:
         if sync:
             self._loop.sync(_xla.sync)  # named after the loop: its compiles are judged with its batches
         t4 = clk()
+        self._ties.close()  # the first step's models are checked
         t1 = self._t1 if self._t1 is not None else t2
         times = {"input_time": self._input_time, "tracing_time": (t2 - t1) + (t4 - t3), "wait_time": t3 - t2}
         # The sync's wait for the previous step's execution is the device's time, not tracing.
@@ -233,6 +226,7 @@ class Tracker:
         self._n: int | None = None
         self.started = time.time()
         self.follower = tpu.follower()
+        self._ties = _xla.ties.FirstStep("tpukit.track")  # weights the move to the device untied: tied again
         events.call("on_track_start", self)
 
     def _finish(self) -> None:
@@ -245,6 +239,7 @@ class Tracker:
             self._publish_read(keep_last=False)
 
     def _close(self, completed: bool) -> None:
+        self._ties.close()
         steps.loop_ended()
         self.finished = time.time()
         if self._bar is not None:

@@ -23,11 +23,12 @@ by concern:
 - :mod:`.profiler`  the profiler session
 - :mod:`.lazy`      pending computations: which tensors hold them, their IR and HLO
 - :mod:`.eager`     following the eager-mode switch (one follower, set with ``eager.follow``)
+- :mod:`.ties`      tied weights the move to the device untied: found, and tied again
 """
 
 from __future__ import annotations
 
-from . import eager, versions
+from . import eager, ties, versions
 from .lazy import has_pending, pending_hlo, pending_ir
 from .loader import imported_by, is_imported, torch_xla
 from .metrics import counter_names, counter_value, fallback_ops, metric_data
@@ -68,7 +69,7 @@ from .spmd import (
 from .tensors import add_step_closure, is_xla_tensor, rng_seed, set_rng_seed, tensor_id, to_cpu
 
 __all__ = [
-    "eager", "versions",
+    "eager", "ties", "versions",
     "is_imported", "imported_by", "torch_xla",
     "runtime_initialized", "device", "sync", "wait_device_ops", "device_type", "device_count", "world_size",
     "process_count", "global_ordinal", "initialize_cache", "accelerator_type", "version", "memory_info",

@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from .. import _xla
 from ..errors import CheckpointError, TpukitWarning
 from .files import fsync_dir, temp_path
 from .saveload import is_master, sync_state, to_cpu
@@ -62,15 +63,12 @@ def export_pretrained(model: Any, folder: str | os.PathLike, tokenizer: Any = No
 
 
 def _warn_if_untied(model: Any) -> None:
-    """Warn when the config ties the embeddings but the model holds two tensors (the usual torch_xla trap)."""
-    try:
-        tied = getattr(model.config, "tie_word_embeddings", False)
-        inp, out = model.get_input_embeddings(), model.get_output_embeddings()
-    except (AttributeError, NotImplementedError):
-        return
-    if tied and inp is not None and out is not None and inp.weight is not out.weight:
+    """Warn when the model declares tied weights but holds two tensors (the usual torch_xla trap)."""
+    pairs = _xla.ties.untied(model)
+    if pairs:
+        named = ", ".join(f"{a} and {b}" for a, b in pairs)
         warnings.warn(
-            f"{type(model).__name__} declares tied input/output embeddings but holds two separate tensors: moving a "
+            f"{type(model).__name__} declares {named} tied but holds them as two separate tensors: moving a "
             "module to an XLA device unties weights, and training then updates them apart. The export keeps only "
             "one. Call model.tie_weights() right after model.to(device).",
             TpukitWarning, stacklevel=3,

@@ -10,13 +10,38 @@ batch, bf16 autocast, FSDP over the slice's chips, gradient accumulation.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from ..errors import TpukitWarning
 from . import worker
 from .record import Suggestion, TpuEstimate, from_reply, gb
 from .targets import TARGETS, Target, TargetError, default_target, target as _target
-from .trace import Traced, trace
+from .trace import Traced, retie, trace
+
+FORWARD_ONLY = ("forward only: the step made no gradient and updated no parameter, so gradients and optimizer "
+                "state are not counted (a training step needs loss.backward() and optimizer.step() inside it)")
+
+
+def _check(traced: Traced, name: str, by: str) -> str | None:
+    """Say what the traced step does that its estimate cannot show: a read from the device (a warning), no
+    backward or update (a warning when its model is in training mode). Returns the estimate's note."""
+    if traced.reads:
+        warnings.warn(
+            f"{by}: the step {name!r} read {traced.reads} value(s) from the device while it was traced (.item(), "
+            "print(tensor), a Python if on a tensor): each read compiles and runs a graph of its own and waits for "
+            "it, here and at every step on the TPU; the estimate is of the graph left at the end and counts "
+            "none of that. Move the reads out of the step (tpukit.log(...) logs values without a sync).",
+            TpukitWarning, stacklevel=3)
+    if traced.trains is not False:
+        return None
+    if traced.train_mode:
+        warnings.warn(f"{by}: the step {name!r} has no backward pass and no optimizer update (no parameter got a "
+                      "gradient or changed) although its model is in training mode: it is estimated as a forward "
+                      "pass, which needs far less HBM than training. Put loss.backward() and optimizer.step() "
+                      "in the step, or call model.eval() to estimate inference.", TpukitWarning, stacklevel=3)
+    return FORWARD_ONLY
 
 
 def _resolve(target: str | Target | None) -> Target:
@@ -127,15 +152,22 @@ def estimate(step: Callable, *args: Any, target: str | Target | None = None, sug
     ``suggestions`` says what would, each compiled again (``suggest=False`` skips
     them). ``fsdp=True`` asks about a one-device step as if it ran under
     ``tpukit.fsdp`` over all the target's chips (every parameter, optimizer state
-    and batch tensor split over them; the batch is the global one). The step must
-    not sync (no ``torch_xla.sync()``/``.item()`` inside).
+    and batch tensor split over them; the batch is the global one). Batch tensors
+    still on the host are moved to the device, as ``tpukit.track`` does; weights a
+    model declares tied but lost on its way to the device are tied again (a
+    warning names them). The step must not read values from the device (no
+    ``.item()``, ``print(tensor)``, ``torch_xla.sync()``): a read is warned about.
+    A step without a backward pass or optimizer update is estimated as a forward
+    pass (``note`` says so; a warning when its model is in training mode).
     """
     tgt = _resolve(target)
     worker.require()
     worker.warm()  # jax and libtpu load in the worker while the step is traced here
     name = _name(step)
+    retie(step, args, kwargs, "tpukit.estimate")
     traced = trace(step, args, kwargs)
-    est = _compile(traced, tgt, name, _fsdp(traced, tgt, fsdp))
+    note = _check(traced, name, "tpukit.estimate")
+    est = replace(_compile(traced, tgt, name, _fsdp(traced, tgt, fsdp)), note=note)
     if not est.fits and suggest and not fsdp:
         est = replace(est, suggestions=_suggest(step, args, kwargs, tgt, traced, name))
     return est
@@ -254,14 +286,18 @@ def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str 
     worker.require()
     worker.warm()
     name = _name(step)
+    retie(step, (), {}, "tpukit.largest_batch")
+    checked: list[bool] = []
 
     def make(b: int) -> Traced:
         batch = make_batch(b)
-        if isinstance(batch, tuple):
-            return trace(step, batch, {})
-        if isinstance(batch, dict):
-            return trace(step, (), batch)
-        return trace(step, (batch,), {})
+        args, kwargs = (batch, {}) if isinstance(batch, tuple) else ((), batch) if isinstance(batch, dict) else \
+            ((batch,), {})
+        traced = trace(step, args, kwargs)
+        if not checked:  # said once, of the first size
+            checked.append(True)
+            _check(traced, name, "tpukit.largest_batch")
+        return traced
 
     tried: list[tuple[int, bool]] = []
     found = _search(make, tgt, name, start=start, limit=limit, steps=bisect, tried=tried, fsdp=fsdp)

@@ -48,6 +48,7 @@ class TpuEstimate:
     bound: str  # "compute" or "memory" ("" when it did not compile)
     message: str | None = None  # the compiler's refusal
     suggestions: tuple[Suggestion, ...] = ()  # what to do when it does not fit
+    note: str | None = None  # what the estimate is of, when it may not be what was meant (a forward only)
 
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) rows of the table both reprs show."""
@@ -65,6 +66,8 @@ class TpuEstimate:
             rows.append(("step at best (roofline)", f"{self.step_s_min * 1e3:.2f} ms, {self.bound}-bound"))
         if self.message:
             rows.append(("compiler", self.message.splitlines()[0][:160]))
+        if self.note:
+            rows.append(("note", self.note))
         for s in self.suggestions:
             after = f" -> {gb(s.hbm_bytes)}{'' if s.fits is None else (' fits' if s.fits else ' still too big')}" \
                 if s.hbm_bytes is not None else ""

@@ -15,7 +15,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .. import _xla
+from .. import _tree, _xla, metrics
 from .._xla import hlo as _hlo
 
 
@@ -27,6 +27,9 @@ class Traced:
     aliases: tuple[tuple[int, int], ...]
     num_partitions: int
     outputs: int
+    reads: int = 0  # values the step read from the device while traced (.item(), print, a Python if on one)
+    trains: bool | None = None  # it made a gradient or updated a parameter (None: no model or optimizer found)
+    train_mode: bool = False  # a model it uses is in training mode (model.train())
 
 
 def _owners(step: Callable, args: tuple, kwargs: dict) -> tuple[list, list, list]:
@@ -133,7 +136,9 @@ class _Saved:
         # Buffers the step can donate: state tensors holding device data (not pending IR) before it.
         # (Asked through a graph's parameters, as the step's graph will be, of the shadow on that buffer.)
         self.handles = {}
-        for t, p in zip(self.xla, _xla.has_pending(self.xla)):
+        pending = _xla.has_pending(self.xla)
+        self.pending = {id(t) for t, p in zip(self.xla, pending) if p}  # what the step did not update
+        for t, p in zip(self.xla, pending):
             found = [] if p else _hlo.parameter_handles([t])
             if len(found) == 1:
                 self.handles[id(t)] = found[0]
@@ -163,15 +168,28 @@ class _Saved:
         _xla.set_rng_seed(self.xla_seed)
 
 
+def retie(step: Callable, args: tuple, kwargs: dict, by: str) -> None:
+    """Tie again the weights the step's models declare tied but lost on their way to the device
+    (a TpukitWarning names them): a tied parameter is then one argument of the graph, counted once."""
+    for m in _owners(step, args, kwargs)[0]:
+        _xla.ties.retie(m, by, stacklevel=4)
+
+
 def trace(step: Callable, args: tuple, kwargs: dict) -> Traced:
-    """Run ``step(*args, **kwargs)`` lazily, take the graph of what it updates and returns, undo it all."""
+    """Run ``step(*args, **kwargs)`` lazily, take the graph of what it updates and returns, undo it all.
+
+    Tensors of the batch still on the host are moved to the device first, as ``tpukit.track`` does.
+    """
     mods, opts, scheds = _owners(step, args, kwargs)
+    args, kwargs = _tree.to_device((args, kwargs), _xla.device(), _tree.is_tensor)
     # Launched executions must finish first: until then a tensor's buffer is a placeholder whose handle
     # changes when it is filled, and donation is matched by handle. (Runs nothing new.)
     _xla.wait_device_ops()
     saved = _Saved(mods, opts, scheds)
     try:
+        before = metrics.snapshot()
         out = step(*args, **kwargs)
+        read = metrics.snapshot() - before
         after = _state_tensors(mods, opts)
         outs: dict[int, Any] = {}
         for t in after + _output_tensors(out):
@@ -187,6 +205,10 @@ def trace(step: Callable, args: tuple, kwargs: dict) -> Traced:
         aliases = tuple((where[saved.handles[id(t)]], i) for i, t in enumerate(tensors)
                         if id(t) in saved.handles and saved.handles[id(t)] in where)
         parts = _xla.device_count() if _xla.is_spmd() else 1
-        return Traced(hlo, aliases, parts, len(tensors))
+        updated = {id(t) for t in tensors} - saved.pending
+        trains = (any(id(p) in updated or (p.grad is not None and (p.grad is not g or id(p.grad) in updated))
+                      for p, g in saved.grads) if saved.grads else None)
+        return Traced(hlo, aliases, parts, len(tensors), max(read.item_reads, read.to_host), trains,
+                      any(m.training for m in mods))
     finally:
         saved.restore()
