@@ -247,3 +247,36 @@ def test_estimate_says_a_step_without_backward_is_a_forward(rt, tpu_cache):
     assert tpukit.estimate(train_step(model), x, target="v5e-1", suggest=False).note is None
 
 
+# ---------------------------------------------------------------------------------------- 5. recompilations
+
+
+def _shape_changing_loop(rows: list[int], **options):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(13, 7).to(_xla.device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = tpukit.track([torch.randn(n, 13) for n in rows], progress=False, **options)
+    for x in tracker:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return tracker
+
+
+def _alarm_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "tpukit" and "recompilation" in r.getMessage()]
+
+
+def test_a_recompilation_after_warmup_is_said_in_one_line(rt, caplog):
+    caplog.set_level(logging.WARNING, logger="tpukit")
+    tracker = _shape_changing_loop([11, 11, 11, 9, 9])  # the batch changes shape at step 4
+    assert tracker.summary()["recompilations"] == 1
+    lines = _alarm_lines(caplog)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("tpukit: recompilation at step 4:") and "(11, 13) -> (9, 13)" in lines[0], lines[0]
+
+
+def test_alarms_false_keeps_a_recompilation_quiet(rt, caplog):
+    caplog.set_level(logging.WARNING, logger="tpukit")
+    tracker = _shape_changing_loop([10, 10, 10, 8, 8], alarms=False)
+    assert tracker.summary()["recompilations"] == 1  # counted, not said
+    assert _alarm_lines(caplog) == []

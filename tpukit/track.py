@@ -66,8 +66,9 @@ class Tracker:
 
     def __init__(self, iterable: Iterable, total: int | None, device: Any, mesh: Any, progress: bool,
                  desc: str | None, guard: StepGuard | None, dashboard: bool, batch_size: int | None,
-                 shapes: Any = None, hint: str | None = None, place: Any = None):
+                 shapes: Any = None, hint: str | None = None, place: Any = None, alarms: bool = True):
         self.iterable = iterable
+        self.alarms = alarms  # one logged line per recompilation (unless the loop's dashboard shows them)
         self.hint = hint  # the loop's own fix for a batch that changed shape (the classifier's hint)
         self.place = place  # CompileEvent -> where it happened in the loop's terms (LoopContext.place)
         self.total = total if total is not None else (len(iterable) if hasattr(iterable, "__len__") else None)
@@ -258,6 +259,9 @@ class Tracker:
         rec = steps.Clock.settle(rec, span)  # classified by now (their HLO arrives after the sync)
         self.history.append(rec)
         events.call("on_step", rec)
+        if self.alarms and self.dashboard is None:
+            for ev in rec.recompilations:  # the alarms, said as they happen (the dashboard shows its own)
+                log.warning("tpukit: %s", compiles.describe(ev, step=rec.step))
         if bar is not None:
             bar.update(1)
             if rec.scalars:
@@ -351,7 +355,8 @@ def _progress_bar(total: int | None, desc: str | None):
 
 def track(iterable: Iterable, *, total: int | None = None, device: Any = None, mesh: Any = None,
           progress: bool = True, desc: str | None = None, guard: StepGuard | None = None,
-          dashboard: bool = False, batch_size: int | None = None, shapes: Any = None) -> Tracker:
+          dashboard: bool = False, batch_size: int | None = None, shapes: Any = None,
+          alarms: bool = True) -> Tracker:
     """Wrap a data loader: batches arrive on the device, each step is synced once and recorded.
 
     Use it as a plain ``for`` loop. A ``torch.utils.data.DataLoader`` (or any
@@ -362,10 +367,16 @@ def track(iterable: Iterable, *, total: int | None = None, device: Any = None, m
     dashboard and renders its static report at the end. ``shapes``: the input
     shapes (tuples) or sequence lengths (ints) the loop is meant to compile for
     (a ``BucketBatcher``'s buckets are taken by themselves): their first compile
-    is *expected*, not a recompilation. The returned :class:`Tracker` keeps
-    ``history`` (one :class:`StepRecord` per step), ``summary()`` and ``verdict()``.
+    is *expected*, not a recompilation. Each recompilation (the alarm: the same computation
+    compiled again for a changed shape or value) is said in one line as its step is recorded,
+    through the ``tpukit`` logger (a warning: stderr unless logging is configured otherwise),
+    with its step, cause and fix; ``alarms=False`` keeps quiet (``summary()`` still counts
+    them), and with ``dashboard=True`` the dashboard shows them instead. The returned
+    :class:`Tracker` keeps ``history`` (one :class:`StepRecord` per step), ``summary()`` and
+    ``verdict()``.
     """
-    return Tracker(iterable, total, device, mesh, progress, desc, guard, dashboard, batch_size, shapes)
+    return Tracker(iterable, total, device, mesh, progress, desc, guard, dashboard, batch_size, shapes,
+                   alarms=alarms)
 
 
 def dashboard(**options: Any) -> Any:
