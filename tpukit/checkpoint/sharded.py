@@ -80,8 +80,13 @@ def write_sharded(state: Any, target: Path, step: int | None) -> Manifest | None
         if group is not None:
             group.barrier()
         save_planner, _ = _xla.spmd_checkpoint_planners()
+        # per_thread_copy_ahead=0: DCP's plain CPU loader. Its overlapping loader runs when a privateuse1
+        # backend says it is available, and torch_xla 2.8's mark_sharding imports torchax whenever jax is
+        # installed (Kaggle's TPU image), which registers "jax" as that backend: the loader then asks
+        # torchax for CUDA-style streams and every sharded save fails. The shards are host copies already.
+        writer = dcp.FileSystemWriter(str(tmp), per_thread_copy_ahead=0)
         with _quiet_dcp():  # collective across the group: raises on every process if one fails
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=save_planner, no_dist=group is None)
+            dcp.save(state, storage_writer=writer, planner=save_planner, no_dist=group is None)
         manifest = _commit(tmp, target, step) if coordinator else None
     except BaseException:
         if coordinator:
