@@ -16,7 +16,8 @@ VPY    := $(VENV)/bin/python
 STAMP  := $(VENV)/.tpukit-complete
 KPINS  := tests/kaggle/requirements.txt
 PORT   ?= 8888
-NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg
+# A notebook cell may train for minutes on XLA:CPU: 10 minutes before pytest-timeout calls it a hang.
+NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg --timeout 600
 # The Colab environment: Colab's Python and notebook stack.
 CVENV  := .venv-colab
 CVPY   := $(CVENV)/bin/python
@@ -36,7 +37,6 @@ COLAB_NOTEBOOKS := $(addprefix notebooks/,00_setup.ipynb 01_lazy_tensors.ipynb 0
 # links files from its cache, so .venv-colab shares the nvidia-* files of .venv instead of unpacking them
 # twice. A cold install took 9.7 min with pip and about 6 with uv here (most of it the 3 GB download).
 UV     := $(VENV)/bin/uv
-export UV_NATIVE_TLS ?= 1
 # Virtual XLA:CPU devices the notebooks run on (they read it when there is no TPU): Kaggle's eight chips.
 export TPUKIT_CPU_DEVICES ?= 8
 
@@ -50,8 +50,13 @@ export TOKENIZERS_PARALLELISM ?= false
 export PYDEVD_DISABLE_FILE_VALIDATION ?= 1
 # nbval/nbconvert kernels have no widget front end: dashboards print text there.
 export TPUKIT_DASHBOARD ?= text
+# torch's CUDA build (the only torch 2.8/2.9 on the registry here) ships triton, so `import torch_xla`
+# (which imports torch._inductor.async_compile) starts a pool of inductor compile workers: one more
+# interpreter importing torch beside every test process, child and kernel, for nothing XLA uses
+# (measured: 19.4 s of CPU for `import torch_xla` with the pool, 11.3 s without, on a loaded machine).
+export TORCH_WARM_POOL ?= 0
 
-.PHONY: colab-env lab test test-fast test-unit test-notebooks test-e2e test-e2e-classic test-colab test-colab-unit test-colab-notebooks screenshots notebooks bench doctor install clean help
+.PHONY: browser colab-env lab test test-fast test-unit test-unit-part1 test-unit-part2 test-notebooks test-e2e test-e2e-classic test-colab test-colab-unit test-colab-notebooks screenshots notebooks bench doctor install clean help
 
 help:
 	@echo "make lab    - build .venv (Kaggle's stack, Python 3.12) if needed and start JupyterLab on notebooks/"
@@ -88,6 +93,10 @@ $(STAMP): $(KPINS) pyproject.toml
 	@touch $(STAMP)
 	@echo "tpukit: environment ready in $(VENV)"
 
+# uv itself, for a .venv built before the installs went through it.
+$(UV): | $(STAMP)
+	$(VPY) -m pip install --progress-bar off -q uv
+
 lab: $(STAMP)
 	@echo "tpukit: starting JupyterLab on notebooks/ at http://127.0.0.1:$(PORT)/lab (the token URL is printed below)"
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --port=$(PORT) --no-browser --allow-root
@@ -97,17 +106,28 @@ test: $(STAMP) test-unit test-notebooks
 test-unit: $(STAMP)
 	$(VPY) -m pytest tests -q --ignore=tests/e2e
 
+# CI runs the unit tests in two parts, one on each of its lanes (make test-unit runs them as one): the
+# modules below, and everything else, so that a new test file is never left out.
+UNIT_PART1 := $(addprefix tests/test_,pod.py parallel.py checkpoint_scale.py checkpoint_hardening.py tpu.py \
+	hardening.py platform.py cells.py)
+test-unit-part1: $(STAMP)
+	$(VPY) -m pytest $(UNIT_PART1) -q -p no:cacheprovider
+test-unit-part2: $(STAMP)
+	$(VPY) -m pytest tests -q -p no:cacheprovider --ignore=tests/e2e $(addprefix --ignore=,$(UNIT_PART1))
+
 # The fast lane, for every change while working: tests/conftest.py marks each test by what it uses
 # (pyproject.toml lists the markers); everything heavy is deselected. make test still runs it all.
 FAST := not (subprocess or compiler or cluster or kernel or slow)
 test-fast: $(STAMP)
 	$(VPY) -m pytest tests -q --ignore=tests/e2e -p no:cacheprovider -m "$(FAST)"
 
-# Needs Debian's chromium (installed here when missing; Playwright's own browser
+# The end-to-end tests need Debian's chromium (installed here when missing; Playwright's own browser
 # download is not possible offline) and the playwright Python package.
-test-e2e: $(STAMP)
+browser:
 	@command -v chromium >/dev/null 2>&1 || { echo "tpukit: installing Debian's chromium"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+test-e2e: $(STAMP) browser
 	@$(VPY) -c 'import playwright' 2>/dev/null || $(UV) pip install -p $(VPY) -q playwright
 	$(VPY) -m pytest tests/e2e/test_lab.py -q -p no:cacheprovider
 
@@ -137,7 +157,7 @@ clean:
 
 # Colab: .venv-colab gets Colab's Python (3.13) and pins; uv links the nvidia-* files both torch builds share
 # from its cache. Every install after the pins is constrained by them (-c), so nothing pinned can move.
-$(CSTAMP): $(STAMP) $(CPINS) tests/colab/test-tools.txt requirements-xla.txt pyproject.toml
+$(CSTAMP): $(STAMP) $(CPINS) tests/colab/test-tools.txt requirements-xla.txt pyproject.toml | $(UV)
 	@echo "tpukit: building $(CVENV) (Colab's stack) with $(CPYTHON)"
 	@$(CPYTHON) -c 'import sys; sys.version_info[:2] == (3, 13) or print("tpukit: Colab runs Python 3.13; building .venv-colab with", sys.version.split()[0])'
 	rm -rf $(CVENV)
@@ -169,8 +189,6 @@ test-colab-notebooks: $(CSTAMP)
 
 # The end-to-end test on the classic front end Colab's widgets come from (Notebook 6.5.7,
 # ipywidgets 7.7.1), in .venv-colab; playwright goes in under Colab's pins (-c), so none moves.
-test-e2e-classic: $(CSTAMP)
-	@command -v chromium >/dev/null 2>&1 || { echo "tpukit: installing Debian's chromium"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+test-e2e-classic: $(CSTAMP) browser
 	@$(CVPY) -c 'import playwright' 2>/dev/null || $(UV) pip install -p $(CVPY) -q -c $(CPINS) playwright
 	TPUKIT_E2E_CLASSIC=1 $(CVPY) -m pytest tests/e2e/test_classic.py -q -p no:cacheprovider

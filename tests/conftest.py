@@ -106,8 +106,9 @@ LANES = {
     "cluster": ("LocalSlice", "run_on_slice", "ray.init"),
     # a real Jupyter kernel (jupyter_client + ipykernel)
     "kernel": ("start_new_kernel", "KernelManager", "NotebookClient"),
-    # a Hugging Face Trainer run or a pretrained checkpoint
-    "slow": ("Trainer", "from_pretrained"),
+    # a Hugging Face Trainer run, a transformers model, or one of the guide's training loops
+    # (tests/scenarios/diag_loops.py): each compiles hundreds to thousands of ops on XLA:CPU
+    "slow": ("Trainer", "from_pretrained", "Bert*", "GPT2*", "loops.*"),
 }
 
 
@@ -133,8 +134,12 @@ def _uses(call: ast.Call) -> set[str]:
 
 
 def _matches(name: str, pattern: str) -> bool:
+    """``tpu.*``: a name under that prefix; ``Bert*``: a name whose last part starts so; else the name or
+    its last part."""
     if pattern.endswith(".*"):
         return name.startswith(pattern[:-1])
+    if pattern.endswith("*"):
+        return name.rsplit(".", 1)[-1].startswith(pattern[:-1])
     return name == pattern or name.endswith("." + pattern)
 
 
