@@ -55,6 +55,14 @@ def _compile_takes_ir_module() -> bool:
     return _version_tuple(versions()["jaxlib"]) >= (0, 8, 0)
 
 
+# Gate: jax 0.7 asks for the Shardy partitioner by default, and libtpu before 0.0.21 (torch_xla 2.8's 0.0.17,
+# which Kaggle's TPU image pairs with jax 0.7.2) drops the sharding of torch_xla's Sharding custom calls on
+# that path ("expected CustomCallOp with a sharding attribute"): it compiles them on the GSPMD path. 0.0.21.1
+# (Colab's) reads either.
+def _shardy_unreadable() -> bool:
+    return _version_tuple(versions()["libtpu"]) < (0, 0, 21)
+
+
 def devices(topology: str, chips_per_host: tuple[int, ...], count: int) -> list:
     """``count`` compile-only devices of a TPU topology (e.g. 'v5e:2x4'); never opens a chip."""
     from jax.experimental import topologies
@@ -149,6 +157,8 @@ def compile_hlo(hlo_module_proto: bytes, devs: list, num_partitions: int = 1,
     if num_partitions > 1:
         options.executable_build_options.use_spmd_partitioning = True
         options.executable_build_options.allow_spmd_sharding_propagation_to_output = [True]
+    if _shardy_unreadable():
+        options.executable_build_options.use_shardy_partitioner = False
     client = devs[0].client
     with mlir.make_ir_context():
         module = ir.Module.parse(text)
