@@ -21,6 +21,10 @@ tpu = pytest.importorskip("tpukit.tpu")
 if not tpu.available():  # the dev extra installs it; a bare install says how
     pytest.skip(f"the TPU compiler is not installed: pip install 'tpukit[tpu-estimate]'", allow_module_level=True)
 
+# libtpu's compiles take minutes on 2 cores (Kaggle's libtpu 0.0.17 spent 327 s on the refused step of
+# test_what_to_do_when_it_does_not_fit and its fixes on a loaded machine): more than the default timeout.
+pytestmark = pytest.mark.timeout(900)
+
 import torch  # noqa: E402
 
 import tpukit  # noqa: E402
