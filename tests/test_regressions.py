@@ -280,3 +280,24 @@ def test_alarms_false_keeps_a_recompilation_quiet(rt, caplog):
     tracker = _shape_changing_loop([10, 10, 10, 8, 8], alarms=False)
     assert tracker.summary()["recompilations"] == 1  # counted, not said
     assert _alarm_lines(caplog) == []
+
+
+SPMD_THEN_GLOO = """
+import sys, tempfile, torch, tpukit
+rt = tpukit.setup(device="cpu", cpu_devices=4, spmd=True)
+x = tpukit.shard_batch(torch.randn(8, 4), tpukit.mesh())
+model = tpukit.fsdp(torch.nn.Linear(8, 8).to(rt.device), tpukit.mesh())  # mark_sharding on each parameter
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+dist.barrier()
+print("torchax" in sys.modules, torch._C._get_privateuse1_backend_name())
+"""
+
+
+def test_sharding_leaves_torchs_privateuse1_backend_to_torch_distributed():
+    # torch_xla 2.8's mark_sharding imported torchax whenever jax was installed (Kaggle's TPU image, and
+    # .venv's pins): torchax renamed torch's privateuse1 backend to "jax", and a gloo barrier then raised
+    # "Please register PrivateUse1HooksInterface" (a slice's sharded checkpoint failed in notebook 08).
+    out = run_python(SPMD_THEN_GLOO, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-2:] == ["False", "privateuseone"], out.stdout
