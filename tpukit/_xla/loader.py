@@ -17,6 +17,8 @@ that it is followed from whichever torch_xla module is loaded first.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import os
 import sys
 import traceback
 from typing import Any
@@ -50,34 +52,31 @@ def module(name: str = "torch_xla") -> Any:
             outer = frames[-1] if frames and not is_imported() else None
             _FIRST_USE.append(f"{outer.f_globals['__name__']}.{outer.f_code.co_name}" if outer else "")
         mod = _MODULES[name] = _import(name)
-        _no_torchax()
         eager.watch()
     return mod
 
 
-# The modules of torch_xla 2.8 (and later) that took maybe_get_torchax by name.
-_TORCHAX_USERS = ("torch_xla._internal.jax_workarounds", "torch_xla.distributed.spmd.xla_sharding",
-                  "torch_xla.core.xla_builder", "torch_xla.experimental.assume_pure")
+class _TorchaxGate(importlib.abc.MetaPathFinder):
+    """Keeps torchax from loading next to torch_xla (unless ``TPUKIT_ALLOW_TORCHAX=1``).
+
+    torch_xla 2.8's ``mark_sharding`` asks ``maybe_get_torchax()`` whether a tensor is torchax's, which
+    imports torchax whenever jax is installed (Kaggle's TPU image). torchax then renames torch's privateuse1
+    backend to "jax" with no hooks behind it, and torch.distributed breaks in the process: a gloo barrier
+    raises "Please register PrivateUse1HooksInterface", DCP's saver asks torchax for CUDA streams (a slice's
+    sharded checkpoint failed both ways). torch_xla takes the ImportError as "no torchax" and goes on.
+    """
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        """Refuse ``torchax`` with the reason and the way out; leave every other import alone."""
+        if name == "torchax" and os.environ.get("TPUKIT_ALLOW_TORCHAX") != "1":
+            raise ImportError("tpukit keeps torchax from loading next to torch_xla: it renames torch's "
+                              "privateuse1 backend and torch.distributed then fails (barriers, sharded "
+                              "checkpoints). Set TPUKIT_ALLOW_TORCHAX=1 to allow it.")
+        return None
 
 
-def _no_torchax() -> None:
-    """Gate: torch_xla 2.8's ``mark_sharding`` asks ``maybe_get_torchax()`` whether a tensor is torchax's,
-    which imports torchax whenever jax is installed (Kaggle's TPU image). torchax then renames torch's
-    privateuse1 backend to "jax" with no hooks behind it, and torch.distributed breaks in the process: a gloo
-    barrier raises "Please register PrivateUse1HooksInterface", DCP's saver asks torchax for CUDA streams
-    (a slice's sharded checkpoint failed both ways). tpukit hands torch_xla no torchax tensor, so those calls
-    get None; a process that imported torchax itself keeps it."""
-    if "torchax" in sys.modules:
-        return
-    for name in _TORCHAX_USERS:
-        mod = sys.modules.get(name)
-        if mod is not None and getattr(mod, "maybe_get_torchax", _no_torchax_module) is not _no_torchax_module:
-            mod.maybe_get_torchax = _no_torchax_module
-
-
-def _no_torchax_module() -> None:
-    """What torch_xla's ``maybe_get_torchax`` answers under tpukit: no torchax."""
-    return None
+if "torchax" not in sys.modules:  # a process that loaded torchax before tpukit keeps it
+    sys.meta_path.insert(0, _TorchaxGate())
 
 
 def _import(name: str) -> Any:
