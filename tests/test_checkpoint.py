@@ -37,7 +37,6 @@ from tpukit.checkpoint import manager as ck_manager
 from tpukit.errors import CheckpointError, TpukitWarning
 
 SCENARIOS = Path(__file__).parent / "scenarios"
-sys.path.insert(0, str(SCENARIOS))
 from ckpt_saver import content as saver_content  # noqa: E402
 from ckpt_spmd import build as spmd_build  # noqa: E402
 

@@ -30,7 +30,6 @@ from tpukit.checkpoint import stream
 from tpukit.errors import CheckpointError, TpukitWarning
 
 SCENARIOS = Path(__file__).parent / "scenarios"
-sys.path.insert(0, str(SCENARIOS))
 from ckpt_sharded import digests, loop_content  # noqa: E402
 
 
