@@ -15,11 +15,17 @@ coordination, not cross-host communication.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import socket
 from typing import Any, Iterator
 
 from . import hosts
 from .errors import SliceError
+
+log = logging.getLogger("tpukit")
+
+_START_ATTEMPTS = 3  # tries to start one simulated host's Ray node (see LocalSlice.start)
 
 # What this process's XLA runtime was configured with: the simulated hosts start their own.
 _NOT_INHERITED = ("PT_XLA_DEBUG", "XLA_FLAGS", "XLA_USE_SPMD", "CPU_NUM_DEVICES", "TPUKIT_REPLICA_RANK",
@@ -39,6 +45,47 @@ def _node_environment(env: dict[str, str]) -> Iterator[None]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def _child_pids() -> set[int]:
+    """The processes this one started, at any depth (a Ray node's raylet, agents and GCS)."""
+    import psutil  # Ray's own dependency
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _agent_ports() -> dict[str, int]:
+    """Ports free now for one Ray node's agents. Given, the node's raylet does not wait for its agents
+    to choose and report theirs (Ray 2.60 gives them 15 s and aborts the raylet when they miss it, as
+    a Python agent importing on a busy machine did), and two simulated slices on one machine do not
+    both take the head's default agent port (52365)."""
+    names = ("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port", "runtime_env_agent_port")
+    probes = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in names]
+    try:
+        for probe in probes:  # held open together: four different ports
+            probe.bind(("", 0))
+        return {name: int(probe.getsockname()[1]) for name, probe in zip(names, probes)}
+    finally:
+        for probe in probes:
+            probe.close()
+
+
+def _stop_processes(pids: set[int]) -> None:
+    """Kill these processes (those still alive) and reap them, waiting a few seconds at most."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            continue
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=5)
 
 
 class LocalSlice:
@@ -68,27 +115,40 @@ class LocalSlice:
                 "TPU_TOPOLOGY": self.topology, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(self.devices_per_host)}
 
     def start(self) -> "LocalSlice":
-        """Start the cluster's nodes, host 0 (the head) first; returns ``self``."""
+        """Start the cluster's nodes, host 0 (the head) first; returns ``self``.
+
+        Ray gives a new node 30 s to register (its raylet is a new process): on a machine busy with
+        other work that can pass. A node that timed out is stopped (every process it started)
+        and started again, up to ``_START_ATTEMPTS`` times, saying so; the slice then has no node left
+        half-started."""
         if self.cluster is not None:
             return self
         try:
             from ray.cluster_utils import Cluster
         except ImportError as exc:
             raise SliceError(f"LocalSlice needs Ray ({exc}): pip install 'tpukit[pod]'.") from None
+        self.cluster = Cluster()
         for host in range(self.hosts):
             env = self.node_env(host)
-            node = dict(num_cpus=1, resources={"TPU": self.chips_per_host}, env_vars=env)
-            try:
-                with _node_environment(env):
-                    if host == 0:  # no dashboard UI, no autoscaler: nothing here can add nodes
-                        self.cluster = Cluster(initialize_head=True,
-                                               head_node_args=dict(node, include_dashboard=False, no_monitor=True))
-                    else:
+            node = dict(num_cpus=1, resources={"TPU": self.chips_per_host}, env_vars=env, **_agent_ports())
+            if host == 0:  # no dashboard UI, no autoscaler: nothing here can add nodes
+                node.update(include_dashboard=False, no_monitor=True)
+            for attempt in range(1, _START_ATTEMPTS + 1):
+                started = _child_pids()
+                try:
+                    with _node_environment(env):
                         self.cluster.add_node(**node)
-            except Exception as exc:
-                self.shutdown()
-                raise SliceError(f"could not start simulated host {host} of {self.hosts}: {type(exc).__name__}: "
-                                 f"{exc}") from None
+                    break
+                except Exception as exc:
+                    _stop_processes(_child_pids() - started)  # what this attempt started, and only that
+                    if attempt < _START_ATTEMPTS and "timed out during startup" in str(exc):
+                        log.warning("tpukit.LocalSlice: simulated host %d of %d did not register with Ray in time "
+                                    "(a busy machine); starting it again (attempt %d of %d)", host, self.hosts,
+                                    attempt + 1, _START_ATTEMPTS)
+                        continue
+                    self.shutdown()
+                    raise SliceError(f"could not start simulated host {host} of {self.hosts}: {type(exc).__name__}: "
+                                     f"{exc}") from None
         return self
 
     @property
