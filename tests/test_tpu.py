@@ -162,6 +162,86 @@ def test_the_same_graph_is_compiled_once(rt):
     assert future.result(timeout=300).fits
 
 
+def test_the_same_graph_asked_for_twice_at_once_is_compiled_once(rt):
+    """Two threads ask for one graph and target together (``%%xla`` and the follower do): the second waits
+    for the first's compile instead of compiling it again, and both get its answer."""
+    import threading
+
+    model = mlp(96, 352)  # a shape no other test compiles: not in the cache yet
+    loss = model(torch.randn(8, 96, device=_xla.device())).pow(2).mean()
+    loss.backward()
+    proto = _xla.hlo.hlo_module_proto([loss] + [p.grad for p in model.parameters()])
+    _xla.sync()
+    start, answers = threading.Barrier(2), [None, None]
+
+    def ask(i):
+        start.wait()
+        answers[i] = tpu.compile_graph(proto, "v5e-1", name="step")
+
+    before = tpu.cache_info()
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    after = tpu.cache_info()
+    assert answers[0] is not None and answers[0].fits, answers
+    assert after["misses"] == before["misses"] + 1, (before, after)
+    assert answers[1] == answers[0]  # one compile's answer, its compile time included
+
+
+SUMMARY_WHILE_COMPILING = r"""
+import json, os, signal, time, tpukit
+rt = tpukit.setup(device="cpu", target="v5e-1")
+import torch
+tpukit.tpu.worker.warm()
+pid = tpukit.tpu.worker_pid()
+open(os.environ["WORKER_PID_FILE"], "w").write(str(pid))
+os.kill(pid, signal.SIGSTOP)  # the worker is busy: as with a graph that takes the compiler minutes
+try:
+    model = torch.nn.Linear(48, 24).to(rt.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tracker = tpukit.track([torch.randn(4, 48) for _ in range(3)], progress=False)
+    for x in tracker:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    deadline = time.time() + 120
+    while not tpukit.tpu.follower().pending() and time.time() < deadline:  # the follower has the loop's graph
+        time.sleep(0.1)
+    compiling, t0 = tpukit.tpu.follower().pending(), time.time()
+    early = tracker.summary()["tpu"]
+    early_s = time.time() - t0
+finally:
+    os.kill(pid, signal.SIGCONT)  # else this process would wait at exit for the compile under way
+later = tracker.summary(wait=300)["tpu"]
+print("RESULT " + json.dumps({"compiling": compiling, "early": early, "early_s": early_s, "later": later}))
+"""
+
+
+def test_summary_reports_answers_still_being_compiled_as_pending_without_waiting_for_them(tmp_path):
+    """With a target set, ``summary()`` returns within seconds while the TPU compiler is still busy with
+    the loop's graphs, saying their answers are pending; ``summary(wait=...)`` waits for them."""
+    import signal
+
+    pid_file = tmp_path / "worker.pid"
+    try:
+        done = run_python(SUMMARY_WHILE_COMPILING, timeout=600,
+                          env={"PJRT_DEVICE": "CPU", "TPUKIT_TPU_CACHE": str(tmp_path / "cache"),
+                               "WORKER_PID_FILE": str(pid_file)})
+    finally:
+        if pid_file.exists():  # never leave a stopped worker behind, whatever happened to its parent
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert out["compiling"] >= 1 and out["early_s"] < 10, out  # 60 s before: it waited for the answers
+    assert out["early"] and all(r["pending"] and not r["answered"] for r in out["early"]), out
+    assert out["later"] and all(r["answered"] and not r["pending"] and r["fits"] for r in out["later"]), out
+
+
 def test_the_compiler_runs_in_its_worker_never_here(rt):
     jax_here = "jax" in sys.modules  # another test's library (transformers) may have imported jax itself
     model = mlp(64, 64)

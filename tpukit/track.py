@@ -288,12 +288,14 @@ class Tracker:
         """Where the time went: the bottleneck over the steady steps (or all, if it never settled)."""
         return bottleneck(self.history, self.settled_after(), self.tail_wait, self.tail_device)
 
-    def summary(self) -> dict:
+    def summary(self, wait: float = 2.0) -> dict:
         """Steps, compiles by kind (eager mode's per-op compiles among them, also counted apart with
         their ops and lines), when the loop settled, median step time, the bottleneck with its
         measured shares, the last scalars of the loop, and with a target TPU (``setup(target=...)``)
-        ``"tpu"``: per graph of the loop, what the TPU compiler said (waiting up to a minute for the
-        answers still on their way; None when no target is set)."""
+        ``"tpu"``: per graph of the loop, what the TPU compiler said (None when no target is set).
+        It waits at most ``wait`` seconds for the answers still on their way (a large graph takes the
+        compiler minutes); a graph it has no answer for yet has ``"pending": True``: ask again later,
+        or pass a longer ``wait``."""
         h = self.history
         steady = [r.wall for r in h if r.compiles == 0] or [r.wall for r in h]
         kinds = [e.kind for r in h for e in r.compile_events]
@@ -315,7 +317,7 @@ class Tracker:
             "shares": dict(v.shares) if v else {},
             "verdict": f"{v.sentence}; {v.suggestion}" if v else None,
             "last_scalars": dict(h[-1].scalars) if h else {},
-            "tpu": _tpu_rows(self.follower, [e for r in h for e in r.compile_events]),
+            "tpu": _tpu_rows(self.follower, [e for r in h for e in r.compile_events], wait),
         }
 
 
@@ -331,13 +333,15 @@ def _checked_guard(guard: Any) -> Any:
                     "which raises on a recompilation after N warm-up steps.")
 
 
-def _tpu_rows(follower: Any, found: list) -> list[dict] | None:
-    """What the target TPU's compiler said about each graph of ``found`` (None: no target was set)."""
+def _tpu_rows(follower: Any, found: list, wait: float) -> list[dict] | None:
+    """What the target TPU's compiler said about each graph of ``found`` (None: no target was set),
+    waiting at most ``wait`` seconds for it."""
     if follower is None:
         return None
     rows = []
-    for ev, est in follower.estimates_for(found):
-        row = {"graph": ev.name, "target": follower.target.name, "answered": est is not None}
+    for ev, est in follower.estimates_for(found, timeout=wait):
+        row = {"graph": ev.name, "target": follower.target.name, "answered": est is not None,
+               "pending": est is None}
         if est is not None:
             row.update(fits=est.fits, hbm_bytes=est.hbm_bytes, hbm_limit_bytes=est.hbm_limit_bytes,
                        compile_s=est.compile_s, step_s_min=est.step_s_min, bound=est.bound, message=est.message)

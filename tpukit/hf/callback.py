@@ -177,13 +177,13 @@ class CallbackLogic:
         """Where the run's time went (see :meth:`tpukit.Tracker.verdict`); None before training."""
         return self.tracker.verdict() if self.tracker else None
 
-    def summary(self) -> dict:
-        """``Tracker.summary()`` of the run plus ``alarms`` (one line per recompilation: place, evidence
+    def summary(self, wait: float = 2.0) -> dict:
+        """``Tracker.summary(wait)`` of the run plus ``alarms`` (one line per recompilation: place, evidence
         and hint), ``forced_reads`` (values read from the device mid-step after ``warmup`` steps),
         ``collator`` and ``warnings`` (the start-of-training checks)."""
         if self.tracker is None:
             raise RuntimeError("Callback.summary(): the Trainer has not started training with this callback yet.")
-        out = self.tracker.summary()
+        out = self.tracker.summary(wait)
         h = self.tracker.history
         out["alarms"] = [compiles.describe(e) for r in h for e in r.recompilations]
         out["forced_reads"] = sum(r.item_reads for r in h if r.step > self.warmup)

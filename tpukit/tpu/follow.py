@@ -84,7 +84,7 @@ class Follower:
         with self._lock:
             return self._of_event.get(event.index)
 
-    def estimates_for(self, events_: list[Any], timeout: float = 60.0) -> list[tuple[Any, TpuEstimate | None]]:
+    def estimates_for(self, events_: list[Any], timeout: float = 2.0) -> list[tuple[Any, TpuEstimate | None]]:
         """``(event, estimate)`` for each distinct graph among ``events_`` that was sent to the TPU
         compiler, waiting at most ``timeout`` seconds for the answers still on their way (None then)."""
         sent = {}

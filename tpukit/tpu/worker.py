@@ -27,6 +27,7 @@ import struct
 import subprocess
 import sys
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -208,6 +209,8 @@ atexit.register(_PROCESS.stop)
 _MEMORY: dict[str, dict] = {}
 _STATS = {"hits": 0, "misses": 0}
 _STATS_LOCK = threading.Lock()
+_INFLIGHT: dict[str, Future] = {}  # key -> the answer of the compile under way for it
+_INFLIGHT_LOCK = threading.Lock()
 
 
 def cache_dir() -> Path:
@@ -216,7 +219,8 @@ def cache_dir() -> Path:
 
 
 def cache_info() -> dict[str, int]:
-    """Answers served from the cache (``hits``) and compiled by the worker (``misses``) in this process."""
+    """Answers served from the cache or shared with a compile under way (``hits``) and compiled by the
+    worker (``misses``) in this process."""
     with _STATS_LOCK:
         return dict(_STATS)
 
@@ -241,23 +245,52 @@ def stop() -> None:
 def compile(request: Request) -> dict:
     """The compiler's answer for ``request``: its figures, or ``{"error": ..., "memory": bool, ...}``.
 
-    Served from the cache when this graph was compiled for this target before. Raises
-    :class:`TpuCompilerMissingError` without the extra, :class:`WorkerError` if the worker cannot run.
+    Served from the cache when this graph was compiled for this target before. Requests for the same
+    key at once (``%%xla`` and the follower, say) share one compile: the first compiles, the others wait
+    for its answer (or its exception). Raises :class:`TpuCompilerMissingError` without the extra,
+    :class:`WorkerError` if the worker cannot run.
     """
     require()
     key = request.key()
     path = cache_dir() / key[:2] / f"{key}.json"
+    with _INFLIGHT_LOCK:  # the cache is read under the lock the compiling request removes its entry with
+        reply = _cached(key, path)
+        shared = _INFLIGHT.get(key) if reply is None else None
+        mine = reply is None and shared is None
+        if mine:
+            shared = _INFLIGHT[key] = Future()
+    if not mine:
+        reply = reply if reply is not None else shared.result()  # another request's compile of this key
+        with _STATS_LOCK:
+            _STATS["hits"] += 1
+        return dict(reply)
+    try:
+        reply = _compile(request, key, path)
+    except BaseException as exc:
+        shared.set_exception(exc if isinstance(exc, Exception) else WorkerError(
+            f"the compile this request waited for was interrupted ({type(exc).__name__})"))
+        raise
+    else:
+        shared.set_result(reply)
+    finally:
+        with _INFLIGHT_LOCK:
+            del _INFLIGHT[key]
+    return dict(reply)
+
+
+def _cached(key: str, path: Path) -> dict | None:
+    """The answer for ``key`` from memory or disk, or None."""
     reply = _MEMORY.get(key)
     if reply is None and path.exists():
         try:
-            reply = json.loads(path.read_text())
+            reply = _MEMORY[key] = json.loads(path.read_text())
         except (OSError, ValueError):
             reply = None
-    if reply is not None:
-        with _STATS_LOCK:
-            _STATS["hits"] += 1
-        _MEMORY[key] = reply
-        return dict(reply)
+    return reply
+
+
+def _compile(request: Request, key: str, path: Path) -> dict:
+    """Have the worker compile ``request`` and keep its answer (a refusal for memory too)."""
     reply = _PROCESS.call(request.message())
     if "fatal" in reply:
         if reply.get("missing"):
@@ -266,7 +299,7 @@ def compile(request: Request) -> dict:
     with _STATS_LOCK:
         _STATS["misses"] += 1
     if "error" in reply and not reply.get("memory"):
-        return dict(reply)  # another refusal may be a passing fault of this install: asked again next time
+        return reply  # another refusal may be a passing fault of this install: asked again next time
     _MEMORY[key] = reply
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -275,7 +308,7 @@ def compile(request: Request) -> dict:
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("tpukit: could not write the TPU estimate cache %s: %s", path, exc)
-    return dict(reply)
+    return reply
 
 
 def check() -> dict[str, str]:
