@@ -35,9 +35,9 @@ def test_each_host_is_told_its_index_the_host_count_and_host_zeros_address():
     assert defaults == {"TPU_WORKER_ID": "2", "TPU_WORKER_HOSTNAMES": "10.0.0.5,10.0.0.6,10.0.0.7,10.0.0.8",
                         "MASTER_ADDR": "10.0.0.5"}
     assert set(defaults) == set(hosts.TORCH_XLA_ENV)
-    # the group's port host 0 found free is every host's
-    always, _ = hosts.host_env(1, dict(plan, group_port=40123))
-    assert always[hosts.GROUP_PORT_ENV] == "40123"
+    # every host is told the run, under which host 0 publishes the group's port (process_group reads it)
+    always, _ = hosts.host_env(1, dict(plan, run="0123abcd"))
+    assert always[hosts.RUN_ENV] == "0123abcd" and hosts.GROUP_PORT_ENV not in always
     # a single-host slice has no peers to name
     assert hosts.host_env(0, {"count": 1, "slice": None, "hostnames": []}) == (
         {hosts.INDEX_ENV: "0", hosts.COUNT_ENV: "1", runtime.RANK_ENV: "0"}, {"TPU_WORKER_ID": "0"})

@@ -43,6 +43,8 @@ SLICE_ENV = "TPUKIT_SLICE_NAME"  # the slice's name (Ray's ray.io/tpu-slice-name
 TORCH_XLA_ENV = ("TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "MASTER_ADDR")
 WORKER_ID_LABEL = raycluster.WORKER_LABEL  # Ray's label of a host's index in its slice
 GROUP_PORT_ENV, DEFAULT_GROUP_PORT = "TPUKIT_GROUP_PORT", 8479  # process_group()'s rendezvous port on host 0
+# The run_on_slice call a host's task belongs to, and where (raycluster.publish) host 0 publishes its port for it.
+RUN_ENV, GROUP_PORT_KEY = "TPUKIT_SLICE_RUN", "group-port-{run}"
 # Names people use for an accelerator generation -> Ray's name for it (ray.util.tpu).
 ALIASES = {"v5e": "v5litepod", "v5lite": "v5litepod", "v5litepod": "v5litepod", "v5p": "v5p", "v6e": "v6e",
            "v7x": "v7x", "v4": "v4", "v3": "v3", "v2": "v2"}
@@ -85,10 +87,10 @@ def process_group(backend: str = "gloo", timeout_s: float = 300.0) -> Host:
     shards it owns into one checkpoint directory (on storage every host sees) and
     host 0 committing it after all have written, so ``latest()`` never sees a
     partial one. Replicated state needs no group: host 0 alone writes it
-    (``rank() == host index``). The rendezvous is host 0's address on the port
-    ``run_on_slice`` found free there before the run (``TPUKIT_GROUP_PORT``: set it
-    on host 0 to choose one; 8479 outside ``run_on_slice``). Off a slice, or when a
-    group is already up, it does nothing. Returns this host.
+    (``rank() == host index``). The rendezvous is host 0's address on the port host 0
+    found free as its task started, waited for (``TPUKIT_GROUP_PORT``: set it on host 0
+    to choose one; 8479 outside ``run_on_slice``). Off a slice, or when a group is
+    already up, it does nothing. Returns this host.
     """
     host = current()
     import torch.distributed as dist
@@ -99,7 +101,7 @@ def process_group(backend: str = "gloo", timeout_s: float = 300.0) -> Host:
         raise SliceError("this host does not know host 0's address (MASTER_ADDR is not set): call "
                          "process_group() inside a function run by tpukit.run_on_slice.")
 
-    port = int(os.environ.get(GROUP_PORT_ENV, DEFAULT_GROUP_PORT))
+    port = _rendezvous_port(timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://{host.coordinator}:{port}", rank=host.index,
                             world_size=host.count, timeout=datetime.timedelta(seconds=timeout_s))
     return host
@@ -167,8 +169,9 @@ def slice_shape(topology: str, accelerator_version: str) -> tuple[str, int, int]
 
 def group_port() -> int:
     """The port :func:`process_group` listens on when this host is host 0: ``TPUKIT_GROUP_PORT`` if
-    the host sets it, else one free now. ``run_on_slice`` asks host 0 before the run, so two runs on
-    one machine (two simulated slices, or a run beside a stale one) never rendezvous on one port."""
+    the host sets it, else one free now. Host 0's task takes and publishes it as it starts (no task
+    before the run: a busy host may take minutes to start one), so two runs on one machine (two
+    simulated slices, or a run beside a stale one) never rendezvous on one port."""
     if os.environ.get(GROUP_PORT_ENV):
         return int(os.environ[GROUP_PORT_ENV])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -176,11 +179,23 @@ def group_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _rendezvous_port(timeout_s: float) -> int:
+    """:func:`process_group`'s port: in a run, the one host 0 published (``timeout_s`` at most), else the env's or 8479."""
+    run = os.environ.get(RUN_ENV)
+    if not run:
+        return int(os.environ.get(GROUP_PORT_ENV, DEFAULT_GROUP_PORT))
+    port = raycluster.published(GROUP_PORT_KEY.format(run=run), timeout_s)
+    if port is None:
+        raise SliceError(f"host 0 has not published the group's port within {timeout_s:g} s: its task has not started.")
+    os.environ[GROUP_PORT_ENV] = port
+    return int(port)
+
+
 def host_env(index: int, plan: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, str]]:
     """The environment host ``index`` gets before the user's function runs: ``(always, defaults)``.
 
-    ``always``: tpukit's own variables (host index and count, slice name, the group's port
-    host 0 gave) and the rank ``tpukit.rank()`` reads, so ``rank() == index``. ``defaults``,
+    ``always``: tpukit's own variables (host index and count, slice name, the run, under which
+    host 0 publishes the group's port) and the rank ``tpukit.rank()`` reads, so ``rank() == index``. ``defaults``,
     set only where the host lacks them: torch_xla's ``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES`` (every host's address in worker
     order) and ``MASTER_ADDR`` (host 0, the coordinator of torch.distributed's ``xla://`` rendezvous).
     """
@@ -188,8 +203,8 @@ def host_env(index: int, plan: Mapping[str, Any]) -> tuple[dict[str, str], dict[
     always = {INDEX_ENV: str(index), COUNT_ENV: str(plan["count"]), runtime.RANK_ENV: str(index)}
     if plan.get("slice"):
         always[SLICE_ENV] = str(plan["slice"])
-    if plan.get("group_port"):
-        always[GROUP_PORT_ENV] = str(plan["group_port"])
+    if plan.get("run"):
+        always[RUN_ENV] = str(plan["run"])
     defaults = {"TPU_WORKER_ID": str(index)}
     if names:
         defaults["TPU_WORKER_HOSTNAMES"] = ",".join(names)
@@ -364,6 +379,9 @@ def slice_host(payload: bytes, plan: Mapping[str, Any]) -> Iterator[remote.Messa
     os.environ.update(always)
     for key, value in defaults.items():
         os.environ.setdefault(key, value)
+    if host == 0 and plan.get("run"):  # the other hosts' process_group() reads it; the notebook removes it
+        os.environ[GROUP_PORT_ENV] = str(group_port())
+        raycluster.publish(GROUP_PORT_KEY.format(run=plan["run"]), os.environ[GROUP_PORT_ENV])
     q: queue.SimpleQueue[remote.Message] = queue.SimpleQueue()
     yield remote.Message.hello(host, socket.gethostname(), os.getpid(), ray.get_runtime_context().get_node_id())
     outcome: dict = {}

@@ -7,15 +7,18 @@ exists, and through :mod:`tpukit.raycluster` a cluster is reachable and has a wh
 reserves the slice, starts :func:`tpukit.hosts.slice_host` on each host, and supervises: each
 host's output reaches the cell prefixed ``[host N]``, its step records and compile events reach
 this process's listeners (the dashboard), host 0's return value comes back (all of it as
-:class:`tpukit.remote.Message` objects). A failing host, a crash or Ctrl-C cancels every task and
-releases the slice; nothing is left running on the cluster. Ray is imported lazily.
+:class:`tpukit.remote.Message` objects). A failing host, a crash or Ctrl-C cancels every task at
+once (before anything else is asked of the cluster, such as a dead host's last output) and releases
+the slice; nothing is left running on the cluster. Nothing runs before the hosts' tasks start but
+the reservation: a small task would need a new Ray worker, which a busy host may take minutes to
+start. Ray is imported lazily.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
+import uuid
 from typing import Any, Callable
 
 from . import events, hosts, raycluster, remote
@@ -25,8 +28,9 @@ log = logging.getLogger("tpukit")
 
 _WAIT_S = 0.5          # longest wait for a host's next message (Ctrl-C is seen at least this often)
 _CANCEL_GRACE_S = 30.0  # how long cancelled tasks get to end before the slice is released anyway
-_NODE_TASK_S = 120.0   # how long a small task on one host may take (a free port, a dead host's last output,
-                       # which host a dead task ran on): a new Ray worker on a busy host takes that long
+_NODE_TASK_S = 120.0   # how long a small task on one host may take (a dead host's last output, which host a
+                       # dead task ran on): a new Ray worker on a busy host takes that long. Asked only after
+                       # the other hosts' tasks were cancelled.
 _REMOTE: dict[str, Any] = {}  # the Ray remote function, made once per process
 
 
@@ -57,6 +61,7 @@ class _Run:
         self.ray, self.payload, self.topology, self.version = ray, payload, topology, version
         self.count, self.timeout = count, timeout
         self.pending: dict[Any, int | None] = {}  # task generator -> host index (None until it said hello)
+        self.cancelled: set = set()  # generators cancelled (they stay pending until their stream ends)
         self.finished: set = set()  # generators whose host sent its result
         self.hello: dict[Any, tuple] = {}  # generator -> (host, pid, node id)
         self.sent: dict[tuple[int, str], int] = {}  # (host, stream) -> bytes of output received
@@ -67,10 +72,10 @@ class _Run:
         from ray.util import tpu
 
         view = None
+        run = uuid.uuid4().hex  # host 0 publishes the group's port under it (hosts.GROUP_PORT_KEY)
         handle = raycluster.reserve(self.ray, self.topology, self.version, self.timeout)
         try:
-            plan = raycluster.slice_plan(self.ray, handle, self.count)
-            plan["group_port"] = self._group_port(plan)
+            plan = dict(raycluster.slice_plan(self.ray, handle, self.count), run=run)
             if dashboard:
                 view = events.open_dashboard(hosts=self.count)
             try:
@@ -91,6 +96,7 @@ class _Run:
                 self._stop()
             finally:
                 raycluster.release(handle)
+                self._forget(run)
                 self.lines.flush()
                 if view is not None:
                     view.close()
@@ -119,15 +125,17 @@ class _Run:
             host = self.pending.pop(gen)
             if finished:  # its process exited (max_calls=1) as Ray recorded the end: the result is in
                 return
+            others = self._others()
+            self._cancel()  # the others at once: which host it was and its last words may take a while
             if host is None:  # it died before its hello reached the notebook: Ray's task table knows it
                 host = self._identify(gen)
             who = f"host {host}" if host is not None else "a host"
             cause = getattr(exc, "cause", None)  # a RayTaskError: the task's own code raised
             if isinstance(cause, BaseException):
-                raise SliceError(f"{who}'s task failed: {type(cause).__name__}: {cause}{self._others()}.") from None
+                raise SliceError(f"{who}'s task failed: {type(cause).__name__}: {cause}{others}.") from None
             self._last_words(gen)
             raise SliceError(f"{who}'s task died without a result ({type(exc).__name__}: {str(exc).strip()}): a "
-                             f"crash, os._exit or out of memory; its output above may say why{self._others()}.") from None
+                             f"crash, os._exit or out of memory; its output above may say why{others}.") from None
         if msg.kind == remote.HELLO:
             self.pending[gen] = msg.source
             self.hello[gen] = (msg.source, msg.pid, msg.node)
@@ -176,17 +184,6 @@ class _Run:
                 pass
             raise
 
-    def _group_port(self, plan: dict) -> int:
-        """A port free on host 0 now, for ``hosts.process_group``'s rendezvous. When host 0 cannot be
-        asked (a busy machine may take longer than the wait to start the small task), a random port
-        of the dynamic range: never one fixed port that two runs would both take."""
-        if plan.get("node_ids"):
-            try:
-                return self._on_node(hosts.group_port, plan["node_ids"][0], timeout=_NODE_TASK_S)
-            except Exception as exc:
-                log.debug("tpukit.run_on_slice: could not ask host 0 for a free port: %s", exc)
-        return random.randint(49152, 65535)
-
     def _last_words(self, gen: Any) -> None:
         """Show what a host that died wrote but could not send: read on its node from its output files."""
         if gen not in self.hello:
@@ -204,17 +201,24 @@ class _Run:
         running = [g for g in self.pending if g is not failed and g not in self.finished]
         return "; the other hosts' tasks were cancelled" if running else ""
 
+    def _cancel(self) -> None:
+        """Cancel every task still running, without waiting (force: a host stuck in a collective cannot be
+        asked nicely)."""
+        for gen in self.pending:
+            if gen not in self.cancelled:
+                self.cancelled.add(gen)
+                try:
+                    self.ray.cancel(gen, force=True)
+                except Exception as exc:
+                    log.debug("tpukit.run_on_slice: cancelling a host task failed: %s", exc)
+
     def _stop(self) -> None:
-        """Cancel every task still running (force: a host stuck in a collective cannot be asked nicely)
-        and wait until each has ended, so that nothing is left running when this returns."""
+        """Cancel every task still running and wait until each has ended, so that nothing is left
+        running when this returns (force-cancelled tasks end within a second or so)."""
         ray = self.ray
+        self._cancel()
         left = list(self.pending)
         self.pending = {}
-        for gen in left:
-            try:
-                ray.cancel(gen, force=True)
-            except Exception as exc:
-                log.debug("tpukit.run_on_slice: cancelling a host task failed: %s", exc)
         deadline = time.monotonic() + _CANCEL_GRACE_S
         while left and time.monotonic() < deadline:
             ready, _ = ray.wait(left, num_returns=1, timeout=1.0)
@@ -228,6 +232,13 @@ class _Run:
         if left:
             log.warning("tpukit.run_on_slice: %d host task(s) had not ended %.0f s after being cancelled",
                         len(left), _CANCEL_GRACE_S)
+
+    def _forget(self, run: str) -> None:
+        """Remove the group's port host 0 published for this run (if it started)."""
+        try:
+            raycluster.unpublish(hosts.GROUP_PORT_KEY.format(run=run))
+        except Exception as exc:
+            log.debug("tpukit.run_on_slice: could not remove the run's group port from Ray: %s", exc)
 
 
 def run_on_slice(fn: Callable[..., Any], *args: Any, topology: str = "4x4", accelerator_version: str = "v5e",

@@ -1,5 +1,5 @@
 """What ``run_on_slice`` asks of a Ray cluster: a connection, a whole idle slice, its reservation
-and its release.
+and its release, and a value its hosts share (:func:`publish`: host 0's port for the group).
 
 Ray manages the cluster (``ray.util.tpu``: a ``SlicePlacementGroup`` reserves every host of one
 slice, host 0's ``TPU-<pod type>-head`` resource first); this module checks, before anything
@@ -27,6 +27,7 @@ POD_TYPE_LABEL = "ray.io/tpu-pod-type"
 TOPOLOGY_LABEL = "ray.io/tpu-topology"
 _RELEASE_S = 30.0      # how long to wait for Ray to confirm the slice's placement groups are gone
 _FREE_WAIT_S = 5.0     # how long a busy-looking slice gets to show as free (Ray reports releases late)
+_KV_NAMESPACE = "tpukit"  # tpukit's keys in Ray's key-value store (the cluster's GCS)
 
 
 def import_ray() -> Any:
@@ -198,3 +199,30 @@ def reserve(ray: Any, topology: str, version: str, timeout: float) -> Any:
             raise
         raise SliceError(f"could not reserve a {topology} slice within {timeout:g} s: "
                          f"{type(exc).__name__}: {exc}") from None
+
+
+def publish(key: str, value: str) -> None:
+    """Put ``value`` under ``key`` in the cluster's key-value store, from any process connected to it."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(key, value, namespace=_KV_NAMESPACE)
+
+
+def published(key: str, timeout: float) -> str | None:
+    """The value under ``key``, waiting (``timeout`` seconds at most) for another process to publish it;
+    None when none did."""
+    from ray.experimental import internal_kv
+
+    deadline = time.monotonic() + timeout
+    while (value := internal_kv._internal_kv_get(key, namespace=_KV_NAMESPACE)) is None:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
+    return value.decode()
+
+
+def unpublish(key: str) -> None:
+    """Remove ``key`` from the cluster's key-value store (nothing when it is not there)."""
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(key, namespace=_KV_NAMESPACE)
