@@ -305,3 +305,32 @@ def test_sharding_leaves_torchs_privateuse1_backend_to_torch_distributed():
     out = run_python(SPMD_THEN_GLOO, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "4"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split()[-3:] == ["False", "privateuseone", "True"], out.stdout
+
+
+def test_the_optimizers_first_step_is_said_in_the_users_terms(rt):
+    """Issue #37: "new graph at step 2: -231 ops (2127 -> 1896); +58 inputs" is the optimizer creating its
+    state in its first step: the evidence says so before the compiler's terms, and only there (SGD without
+    momentum creates no state: no second graph)."""
+    import torch
+
+    def run(make_opt):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 2).to(rt.device)
+        opt = make_opt(model.parameters())
+        data = [(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(4)]
+        tracker = tpukit.track(data, progress=False)
+        for x, y in tracker:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return [(r.step, e) for r in tracker.history for e in r.compile_events]
+
+    adam = run(torch.optim.AdamW)
+    second = [e for step, e in adam if step == 2]
+    assert len(second) == 1 and second[0].kind == "new graph", [e.describe() for _, e in adam]
+    assert "state the first step created (an optimizer's, e.g. Adam's moments) is an input now" in second[0].describe()
+    assert "+4 inputs" in second[0].describe()  # the compiler's terms stay, after
+    assert not any("state the first step created" in e.describe() for step, e in adam if step != 2)
+    plain = run(lambda p: torch.optim.SGD(p, lr=0.1))
+    assert not any("state the first step created" in e.describe() for _, e in plain), [e.describe() for _, e in plain]

@@ -119,6 +119,13 @@ def _hint(evidence: list[str], from_batch: bool) -> str:
     return "the graph changed in a way XLA's text does not show: compare the two with %%xla --explain"
 
 
+def _state_became_input(seen: list, graph: Graph, inputs: Signature | None) -> bool:
+    """The second graph at a place, with the same batch and more inputs than the first: tensors the first
+    step created (an optimizer's state) are read by the second."""
+    return (len(seen) == 1 and seen[0].graph is not None and len(graph.inputs) > len(seen[0].graph.inputs)
+            and not batch_changes(seen[0].inputs, inputs))
+
+
 @dataclass
 class _Seen:
     graph: Graph | None
@@ -151,7 +158,9 @@ class Classifier:
         if graph is not None and all(s.graph is not None for s in seen):
             same = [s for s in seen if s.graph.structure == graph.structure]
             if not same:
-                return Finding(NEW, tuple(diff(seen[-1].graph, graph)) or ("a new structure",))
+                first_state = () if not _state_became_input(seen, graph, inputs) else (
+                    "state the first step created (an optimizer's, e.g. Adam's moments) is an input now: expected once",)
+                return Finding(NEW, first_state + tuple(diff(seen[-1].graph, graph)) or ("a new structure",))
             prev = same[-1]
             from_batch = batch_changes(prev.inputs, inputs)
             evidence = from_batch or diff(prev.graph, graph)
