@@ -334,3 +334,31 @@ def test_the_optimizers_first_step_is_said_in_the_users_terms(rt):
     assert not any("state the first step created" in e.describe() for step, e in adam if step != 2)
     plain = run(lambda p: torch.optim.SGD(p, lr=0.1))
     assert not any("state the first step created" in e.describe() for _, e in plain), [e.describe() for _, e in plain]
+
+
+def test_the_dashboards_count_says_which_compiles_summary_counts(rt, capsys):
+    """Issue #37: the dashboard's final line said "3 compiles" where ``summary()["compiles"]`` said 2. The
+    third was the model's evaluation before the loop, queued on the device and run by the sync the loop makes
+    as it begins (so step 1 measures only itself): in no step's record. The line says where each was, the
+    summary counts it apart, and the loop's first graph is not compared with that evaluation's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(11, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).to(rt.device)
+    with torch.no_grad():
+        before_loop = model(torch.randn(5, 11, device=rt.device)).sum()  # queued, not run: the loop runs it
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    capsys.readouterr()
+    tracker = tpukit.track([torch.randn(7, 11) for _ in range(4)], progress=False, dashboard=True)
+    for x in tracker:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    out = capsys.readouterr().out
+    assert before_loop.device.type == "xla"
+    s = tracker.summary()
+    done = next(line for line in out.splitlines() if line.startswith("tpukit: done"))
+    assert f"· 2 compiles ({s['compiles']} in the 4 steps, 1 before them) ·" in done, (done, s["compiles"])
+    assert (s["steps"], s["compiles"], s.get("compiles_before")) == (4, 1, 1), s
+    assert "new graph before step 1: earlier-work flush graph at " in out, out
+    (first,) = tracker.history[0].compile_events
+    assert first.evidence[0].startswith("first graph here"), first.describe()  # not a diff against the evaluation
+    assert "new graph at step 1: step graph at " in out and "state the first step created" not in out, out

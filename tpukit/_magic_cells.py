@@ -10,7 +10,11 @@ torch_xla is only touched through ``_xla`` once the user's code imported it.
 from __future__ import annotations
 
 import ast
+import dataclasses
+import functools
+import re
 import sys
+import types
 from typing import Any, Callable
 
 from . import _ipython, _xla, compiles, metrics, runtime, tpu
@@ -23,9 +27,10 @@ _NO_TRACING = ("causes unavailable: compile tracing is off in this process; rest
 
 
 def _synced_snapshot() -> metrics.Snapshot:
-    """Sync pending work (when the runtime runs), wait for it, then read the counters."""
+    """Sync pending work (when the runtime runs), wait for it, then read the counters. The work is earlier
+    cells': placed apart (compiles.flush) from this cell's graphs, whose closing sync is at the same line."""
     if _xla.runtime_initialized():
-        _xla.sync(wait=True)
+        compiles.flush(functools.partial(_xla.sync, wait=True))
         _xla.wait_device_ops()  # executions are counted when they finish, after sync(wait=True)
     return snapshot_now()
 
@@ -123,16 +128,52 @@ def _pending_hlo_report(shell: Any) -> str:
     return head + "\n" + _xla.pending_hlo(pending).rstrip()
 
 
+_XLA_TYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "int64": "s64",
+               "int32": "s32", "int16": "s16", "int8": "s8", "uint8": "u8", "bool": "pred"}
+_INPUT_CHANGED = re.compile(r"^input (\d+): (\S+) -> (\S+)$")  # graphs.diff's phrase
+
+
+def _names_read(code: types.CodeType) -> set[str]:
+    """The global names a cell's code (and the functions it defines) reads or binds."""
+    return set(code.co_names).union(*(_names_read(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+
+
+def _outside_tensors(shell: Any, codes: list) -> dict[str, Any]:
+    """``{variable: tensor}``: the XLA tensors of other cells that the cell's code names."""
+    torch, names = _torch(), set().union(*(_names_read(c) for c in codes if c is not None))
+    return {n: v for n, v in shell.user_ns.items()
+            if torch is not None and n in names and isinstance(v, torch.Tensor) and _xla.is_xla_tensor(v)}
+
+
+def _named_inputs(ev: Any, outside: dict[str, Any]) -> Any:
+    """``ev`` with each ``input 1: f32[8,16] -> f32[8,24]`` of its evidence naming the variable of
+    another cell that holds a tensor of the new type (``input 1 (x, from another cell): ...``)."""
+    by_type: dict[str, list[str]] = {}
+    for name, t in outside.items():
+        dtype = str(t.dtype).replace("torch.", "")
+        by_type.setdefault(f"{_XLA_TYPES.get(dtype, dtype)}[{','.join(map(str, t.shape))}]", []).append(name)
+
+    def named(phrase: str) -> str:
+        m = _INPUT_CHANGED.match(phrase)
+        names = by_type.get(m.group(3)) if m else None
+        return f"input {m[1]} ({' or '.join(names)}, from another cell): {m[2]} -> {m[3]}" if names else phrase
+
+    return dataclasses.replace(ev, evidence=tuple(map(named, ev.evidence))) if by_type and ev.evidence else ev
+
+
 def compile_line(ev: Any, where: str | None = None, trusted: bool = True, hint: bool = True) -> str:
     """One compile as ``%%xla`` and ``%xla_watch`` print it: :func:`tpukit.compiles.describe`, compact."""
     return compiles.describe(ev, where, trusted, hint, compact=True)
 
 
-def _cell_event_lines(events: list, sync_from: compiles.Mark, number: int, delta: Any) -> list[str]:
-    """One line per compile; compiles of the closing sync are placed at the end of the cell."""
+def _cell_event_lines(events: list, sync_from: compiles.Mark, number: int, delta: Any,
+                      outside: dict[str, Any] | None = None) -> list[str]:
+    """One line per compile; compiles of the closing sync are placed at the end of the cell. An input
+    that changed is named after the variable of another cell holding it (``outside``)."""
     lines = []
     hints: set[str] = set()
     for ev in events:
+        ev = _named_inputs(ev, outside or {})
         where, trusted = None, True
         if not sync_from.before(ev):
             where = f"the end of cell [{number}] (the sync %%xla adds)"
@@ -177,8 +218,10 @@ def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
 
     before = _synced_snapshot()  # earlier cells' pending work is theirs, not this cell's
     first_event = compiles.mark()
+    outside = _outside_tensors(shell, [code, last])
     exec(code, shell.user_global_ns, shell.user_ns)
     value = eval(last, shell.user_global_ns, shell.user_ns) if last is not None else None
+    outside = {n: t for n, t in outside.items() if shell.user_ns.get(n) is t}  # not bound again by the cell
     sync_from = compiles.mark()
     hlo = _pending_hlo_report(shell) if args.hlo and _xla.runtime_initialized() else None
     if _xla.runtime_initialized():
@@ -189,7 +232,7 @@ def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
     delta = snapshot_now() - before
 
     found = compiles.settled(since=first_event) if not args.quiet or args.max_compiles is not None else []
-    lines = _cell_event_lines(found, sync_from, number, delta)
+    lines = _cell_event_lines(found, sync_from, number, delta, outside)
     explain = _explain(found, delta) if args.explain and not args.quiet else None
     if hlo is not None and not args.quiet:
         print(hlo)

@@ -16,7 +16,7 @@ import statistics
 import time
 from typing import Any, Iterable, Iterator
 
-from . import _tree, _xla, compiles, events, steps, tpu
+from . import _tree, _xla, compiles, events, metrics, steps, tpu
 from ._tree import to_device
 from .guards import StepGuard
 from .spmd import device_loader
@@ -87,6 +87,7 @@ class Tracker:
         self.follower = None    # the target TPU's follower while the loop ran (None: no target)
         self.tail_wait = 0.0    # seconds waiting for the device after the last step
         self.tail_device = 0.0  # device busy seconds in that wait
+        self.compiles_before = 0  # compiles of the work queued before the loop, which it flushed as it began
 
     def __len__(self) -> int:
         if self.total is None:
@@ -217,8 +218,12 @@ class Tracker:
     def _start(self, bar: Any) -> None:
         self._bar = bar
         steps.loop_started()  # first, so the flush below is not a free-standing step
-        _xla.sync()  # flush work queued before the loop so step 1 measures only itself
+        before = metrics.snapshot()
+        # Flush work queued before the loop (a model built or evaluated on the device) so step 1
+        # measures only itself; its graphs are that earlier code's, placed apart from the steps'.
+        compiles.flush(_xla.sync)
         self._clock = steps.Clock()
+        self.compiles_before = (self._clock.last - before).compiles  # in no step: summary() says them apart
         steps.ensure_hook()
         self._loop = compiles.LoopContext(self.declared, self.hint, self.place)
         self._unread = steps.Unread()
@@ -289,13 +294,14 @@ class Tracker:
         return bottleneck(self.history, self.settled_after(), self.tail_wait, self.tail_device)
 
     def summary(self, wait: float = 2.0) -> dict:
-        """Steps, compiles by kind (eager mode's per-op compiles among them, also counted apart with
-        their ops and lines), when the loop settled, median step time, the bottleneck with its
-        measured shares, the last scalars of the loop, and with a target TPU (``setup(target=...)``)
-        ``"tpu"``: per graph of the loop, what the TPU compiler said (None when no target is set).
-        It waits at most ``wait`` seconds for the answers still on their way (a large graph takes the
-        compiler minutes); a graph it has no answer for yet has ``"pending": True``: ask again later,
-        or pass a longer ``wait``."""
+        """Steps, compiles by kind (``compiles``: those of the loop's steps, eager mode's per-op compiles
+        among them, also counted apart with their ops and lines; ``compiles_before``: those of the work
+        queued before the loop, which it ran as it began, in no step: a dashboard counts both), when the
+        loop settled, median step time, the bottleneck with its measured shares, the last scalars of the
+        loop, and with a target TPU (``setup(target=...)``) ``"tpu"``: per graph of the loop, what the TPU
+        compiler said (None when no target is set). It waits at most ``wait`` seconds for the answers still
+        on their way (a large graph takes the compiler minutes); a graph it has no answer for yet has
+        ``"pending": True``: ask again later, or pass a longer ``wait``."""
         h = self.history
         steady = [r.wall for r in h if r.compiles == 0] or [r.wall for r in h]
         kinds = [e.kind for r in h for e in r.compile_events]
@@ -305,6 +311,7 @@ class Tracker:
         return {
             "steps": len(h),
             "compiles": sum(r.compiles for r in h),
+            "compiles_before": self.compiles_before,
             "recompilations": sum(len(r.recompilations) for r in h),
             "new_graphs": kinds.count("new graph"),
             "expected_compiles": kinds.count("expected"),

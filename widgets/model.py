@@ -23,7 +23,7 @@ import time
 from collections import deque
 from typing import Any
 
-from tpukit.compiles import EXPECTED, KINDS, NEW, RECOMPILATION
+from tpukit.compiles import EXPECTED, FLUSH_CUT, KINDS, NEW, RECOMPILATION
 
 from .view import Compile, Timeline, View, now_line
 
@@ -78,6 +78,7 @@ class DashboardState:
         self._delta = None
         self._tracking = 0
         self._tracker = None  # the latest tracked loop (its verdict and warm-up)
+        self._compiles_before = 0  # compiles of the work tracked loops flushed as they began (in no step)
         self._judge_lock = threading.Lock()
         self._judged: tuple = (None, None, None)  # (key, verdict, settled_after)
         self._judge_next = 0.0
@@ -166,6 +167,8 @@ class DashboardState:
             self._kind_of[ev.index] = kind
             self._counts[kind] += 1
             guess = known if known is not None else (self._last_step or 0) + 1
+            if known is None and getattr(ev, "cut", None) == FLUSH_CUT:
+                guess = 0  # a loop's flush of earlier work is in no step: "before step 1"
             (self._alerts if kind == RECOMPILATION else self._graphs).appendleft(Compile(ev, guess, self._clock()))
         elif known is not None:  # the record tells the step for sure
             for rows in (self._alerts, self._graphs):
@@ -195,6 +198,7 @@ class DashboardState:
             self._tracking += 1
             if tracker is not None:
                 self._tracker = tracker
+                self._compiles_before += getattr(tracker, "compiles_before", 0) or 0
                 total = getattr(tracker, "total", None)
                 self._x_end = self._last_x + total if isinstance(total, int) and total > 0 else None
 
@@ -261,10 +265,12 @@ class DashboardState:
             n_steps, last_step, n_events = self._n_steps, self._last_step, self._n_events
             scalars, note, record_batch = dict(self._last_scalars), self.note, self._record_batch
             tracker, eager_places, tpu = self._tracker, tuple(self._eager_places), tuple(self._tpu.values())
+            before, closed = self._compiles_before, self._finished is not None
             tracked, loop_done = tracker is not None, getattr(tracker, "finished", None) is not None
         # Step records cover syncs; the metrics delta covers everything since the
         # dashboard opened but is sampled less often. The larger is the fresher.
         cached = to_device = memory = None
+        in_steps = s["compiles"]  # the step records'; the counters' delta may count compiles outside them
         if d is not None:
             for k in s:
                 s[k] = max(s[k], getattr(d, k))
@@ -286,7 +292,8 @@ class DashboardState:
                     alerts_total=counts[RECOMPILATION], note=note, new_graphs=counts[NEW],
                     expected=counts[EXPECTED], graphs=graphs, verdict=verdict, settled_after=settled,
                     tracked=tracked, loop_done=loop_done, eager_compiles=s["eager_compiles"],
-                    eager_places=eager_places, tpu=tpu)
+                    eager_places=eager_places, tpu=tpu, step_compiles=in_steps, compiles_before=before,
+                    closed=closed)
 
     def timeline(self) -> Timeline:
         """Copies of the per-step columns and scalar curves for the plot."""

@@ -78,9 +78,32 @@ def warmup_text(v: View) -> str | None:
     return f"settled after step {v.settled_after}"
 
 
+def compiles_split(v: View) -> str | None:
+    """``2 in the 20 steps, 1 before them``: where the compiles were, once the dashboard is closed (or its
+    loop done) and some were outside the step records, which ``Tracker.summary()["compiles"]`` counts
+    (a loop's flush of the work queued before it: ``summary()["compiles_before"]``); else None."""
+    outside = v.compiles - v.step_compiles if v.step_compiles is not None else 0
+    if outside <= 0 or not v.steps or not (v.closed or v.loop_done):
+        return None
+    before = min(v.compiles_before, outside)
+    parts = [f"{v.step_compiles} in the {v.steps} steps" if v.steps != 1 else f"{v.step_compiles} in the one step"]
+    if before:
+        parts.append(f"{before} before them")
+    if outside > before:
+        parts.append(f"{outside - before} outside them")
+    return ", ".join(parts)
+
+
+def compiles_text(v: View) -> str:
+    """``3 compiles (2 in the 20 steps, 1 before them)``, or ``3 compiles`` (see :func:`compiles_split`)."""
+    split = compiles_split(v)
+    return plural(v.compiles, "compile") + (f" ({split})" if split else "")
+
+
 def counter_rows(v: View) -> list[tuple[str, str]]:
     """The counters as (label, value) rows, shared by HTML and text."""
-    compiles = f"{v.compiles} ({seconds(v.compile_time)})"
+    split = compiles_split(v)
+    compiles = f"{v.compiles} ({seconds(v.compile_time)}" + (f"; {split})" if split else ")")
     if v.cached_compiles is not None:
         compiles += f", {v.cached_compiles} cached"
     transfers = (f"{v.to_device if v.to_device is not None else '?'} to device, "
@@ -158,9 +181,14 @@ def verdict_html(v: View) -> str:
 
 # ---------------------------------------------------------------- compiles
 
+def _step(step: int | None) -> str:
+    """A listed compile's step: "3", "before 1" (a loop's flush of earlier work), "?" (not known)."""
+    return "?" if step is None else "before 1" if step == 0 else str(step)
+
+
 def alert_rows(v: View) -> list[tuple[str, ...]]:
     """(step, graph, what changed, what to do, hash) per shown recompilation, latest first."""
-    return [(str(a.step) if a.step is not None else "?", a.name, "; ".join(a.evidence) or a.cause,
+    return [(_step(a.step), a.name, "; ".join(a.evidence) or a.cause,
              _sentence(a.hint), (a.graph_hash[:6] + "…") if a.graph_hash else "?") for a in v.alerts]
 
 
@@ -179,7 +207,7 @@ def alerts_html(v: View) -> str:
 
 def graph_rows(v: View) -> list[tuple[str, ...]]:
     """(step, kind, graph, what is new) per shown new graph or expected compile, latest first."""
-    return [(str(g.step) if g.step is not None else "?", g.label, g.name, "; ".join(g.evidence))
+    return [(_step(g.step), g.label, g.name, "; ".join(g.evidence))
             for g in v.graphs]
 
 
@@ -243,8 +271,7 @@ def fallbacks_html(v: View) -> str:
 
 def text_line(v: View, final: bool = False) -> str:
     """One short line for the periodic text summary (``final``: the line printed at the end)."""
-    parts = [f"step {v.last_step}" if v.last_step is not None else "no steps yet",
-             plural(v.compiles, "compile")]
+    parts = [f"step {v.last_step}" if v.last_step is not None else "no steps yet", compiles_text(v)]
     if v.recompilations:
         parts.append(plural(v.recompilations, "recompilation"))
     if v.median_step_s is not None:

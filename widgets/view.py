@@ -116,6 +116,9 @@ class View:
     eager_compiles: int = 0      # of ``compiles``: eager mode's per-op compiles (each also an event)
     eager_places: tuple = ()     # their ops and lines, first seen first: ("linear at train.py:12 in step", ...)
     tpu: tuple = ()              # (graph name, TpuEstimate) per distinct graph, first compiled first
+    step_compiles: int | None = None  # of ``compiles``: those the step records count (None: not known)
+    compiles_before: int = 0     # of ``compiles``: those of the work tracked loops flushed as they began
+    closed: bool = False         # the dashboard was closed: the step records are all in
 
 
 @dataclass(frozen=True)

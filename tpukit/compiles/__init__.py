@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from . import config
 from .classify import EXPECTED, KINDS, NEW, RECOMPILATION
-from .context import LoopContext, own
-from .event import EAGER_NOTE, FORCED_CAUSE, PENDING, CompileEvent, Mark, describe
+from .context import LoopContext, flush, own
+from .event import EAGER_NOTE, FLUSH_CUT, FORCED_CAUSE, PENDING, CompileEvent, Mark, describe
 from .frames import Frame
 from .reader import Reader, reader
 
-__all__ = ["CompileEvent", "Mark", "Frame", "LoopContext", "own", "Reader", "describe", "reader", "configure", "trace_file",
+__all__ = ["CompileEvent", "Mark", "Frame", "LoopContext", "own", "flush", "Reader", "describe", "reader", "configure", "trace_file",
            "tracing_enabled", "compiling_now", "mark", "settled", "event_count", "events_since",
-           "NEW", "EXPECTED", "RECOMPILATION", "KINDS", "PENDING", "EAGER_NOTE", "FORCED_CAUSE"]
+           "NEW", "EXPECTED", "RECOMPILATION", "KINDS", "PENDING", "EAGER_NOTE", "FORCED_CAUSE", "FLUSH_CUT"]
 
 
 def configure(runtime_imported: bool) -> tuple[str | None, list[str]]:

@@ -35,6 +35,7 @@ Signature = tuple  # ((path, shape, dtype), ...) of a step's input tensors
 
 TAG = re.compile(r"^tpukit_loop_(\d+)$")
 OWN = "tpukit_own_graph"  # the frame name of graphs tpukit compiles for itself (see own())
+FLUSH = "tpukit_flush_earlier_work"  # the frame name of the sync that runs work queued before tpukit's (see flush())
 _IDS = itertools.count(1)
 _LOCK = threading.Lock()
 _KNOWN: dict[int, "LoopContext"] = {}  # open loops and the last ended ones (late blocks still find them)
@@ -65,12 +66,21 @@ def _renamed(name: str) -> Callable[[Callable[[], Any]], Any]:
 
 
 _own = _renamed(OWN)
+_flush = _renamed(FLUSH)
 
 
 def own(fn: Callable[[], Any]) -> Any:
     """Call ``fn`` under a frame named :data:`OWN`: a graph it compiles is tpukit's own work (a
     checkpoint's chunked copy from the device), never an alarm of the user's loop."""
     return _own(fn)
+
+
+def flush(fn: Callable[[], Any]) -> Any:
+    """Call ``fn`` (the sync tpukit makes before work of its own: a tracked loop as it begins,
+    ``%%xla`` before the cell runs) under a frame named :data:`FLUSH`: what it compiles is the work
+    earlier code queued (a model evaluated before the loop, another cell's tensors), placed apart
+    from the graphs of the loop or cell that follows, which would otherwise be compared with it."""
+    return _flush(fn)
 
 
 class LoopContext:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from . import classify
+from .context import FLUSH
 from .frames import Frame
 from .graphs import Graph
 
@@ -31,6 +32,7 @@ PENDING = "compile"  # kind of an event not classified yet (still compiling)
 _LABELS = {classify.NEW: "new graph", classify.EXPECTED: "expected compile",
            classify.RECOMPILATION: "recompilation", PENDING: "compile"}
 FORCED_CAUSE = "access tensor value"
+FLUSH_CUT = "earlier-work flush"  # the cut of a sync tpukit made to run work queued before its own
 # Eager mode's compiles are seen by tpukit.eager (torch_xla writes no compilation analysis for them).
 EAGER_NOTE = "eager mode compiles op by op, each named at its line"
 
@@ -114,10 +116,14 @@ class CompileEvent:
     def cut(self) -> str:
         """What cut the graph: "step" (a sync), "loader sync" (torch_xla's device loader),
         "forced read", "torch_xla.compile" (a compiled function, or the flush before it),
-        "dynamo" (torch.compile's openxla backend) or "eager op" (eager mode)."""
+        "dynamo" (torch.compile's openxla backend), "eager op" (eager mode) or "earlier-work
+        flush" (the sync a tracked loop or ``%%xla`` makes first, to run work queued before it:
+        :func:`~tpukit.compiles.context.flush`)."""
         cause = self.cause.lower()
         if self.forced:
             return "forced read"
+        if any(f.function == FLUSH for f in self.frames):
+            return FLUSH_CUT
         if "dynamo" in cause:
             return "dynamo input sync" if "sync" in cause else "dynamo"
         if "torch_xla.compile" in cause:
@@ -164,14 +170,15 @@ def describe(ev: CompileEvent, where: str | None = None, trusted: bool = True, h
     (8, 24). Bucket or pad ... [graph 1a2b3c4d]``: the label, the name (``where`` replaces its place),
     the evidence and the hint, the hash last. Untrusted (a place shared by unrelated code): only
     "compile" and the name. ``compact``: evidence without the graph size the name already shows.
-    ``step`` (a dashboard's list): ``recompilation at step 3: ...`` in place of the duration, and
-    torch_xla's cause as the evidence of a recompilation that has none."""
+    ``step`` (a dashboard's list): ``recompilation at step 3: ...`` in place of the duration (step 0:
+    ``before step 1``, work a loop flushed as it began), and torch_xla's cause as the evidence of a
+    recompilation that has none."""
     name = ev.name if where is None else ev.name.replace(f" at {ev.where}", f" at {where}", 1)
     label = ev.label if trusted else "compile"
     if step is None:
         text = f"{label}: {name}, {'still compiling' if ev.end is None else f'{ev.duration:.1f} s'}"
     else:
-        text = f"{label} at step {step}: {name}"
+        text = f"{label} {'before step 1' if step == 0 else f'at step {step}'}: {name}"
     size = f" ({ev.graph.size})" if ev.graph is not None and compact else ""
     evidence = [e[:-len(size)] if size and e.endswith(size) else e for e in ev.evidence] if trusted else []
     if not evidence and step is not None and trusted and ev.kind == classify.RECOMPILATION:
