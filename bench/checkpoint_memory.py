@@ -39,15 +39,27 @@ runs. Separate runs (``tpukit-phases``) time where tpukit's save spends its time
 by wrapping its internal functions from the outside (tpukit is not modified),
 and check that the file reads back equal to the state.
 
-Two held-out states are measured the same way (no phase runs): ``8x64MiB``
+Three held-out states are measured the same way (no phase runs): ``8x64MiB``
 (8 float32 tensors of 64 MiB, 0.5 GiB: the largest tensor is an eighth of the
-state) and ``1x1GiB`` (one float32 tensor of 1 GiB: the largest tensor is the
-state). tpukit copies device tensors larger than its chunk size (4 MiB by
+state), ``1x1GiB`` (one float32 tensor of 1 GiB: the largest tensor is the
+state) and ``1x1GiB-moved``: the same tensor moved to the device as it is
+(``cpu.to(device)``, no computation: a model placed on the device, a loaded
+checkpoint). torch_xla returns from such a move, and from ``torch_xla.sync()`` and
+``xm.wait_device_ops()``, with the data in a host staging copy that the PJRT
+client copies into the device buffer in the background, freeing the staging copy
+when done (on XLA:CPU the device buffer is host memory too). A save started
+then overlaps that copy, whose resident memory is not the save's: for moved
+states each child first measures what the copy still adds with no save running
+(``in_flight_extra_rss_gb``, from right after ``wait_device_ops()`` until a
+one-element read of every tensor returns), and the save is measured after it.
+tpukit copies device tensors larger than its chunk size (4 MiB by
 default) to the host a chunk at a time, so its peak stays near a few chunks for
-both. ``--states`` picks which states to run (default: all three).
+all of them. ``--states`` picks which states to run (default: all four).
 
-Prints a table per state and writes bench/results/checkpoint_memory.json. Targets,
-for every state: tpukit's peak extra RSS <= 0.25 x state size; tpukit GiB/s /
+Prints a table per state and writes bench/results/checkpoint_memory.json under the
+key of the stack it ran on (``torch_xla<version>-py<major.minor>``), keeping the
+other stacks' results: run it once with each environment. Targets, for every
+state: tpukit's peak extra RSS <= 0.25 x state size; tpukit GiB/s /
 torch.save GiB/s >= 0.9 (the save includes tpukit's one-time compile of the
 chunk-selecting graph: the warm-up save is tiny). Sizes are GiB (2**30 bytes)
 throughout.
@@ -88,10 +100,12 @@ LAYOUT = (
     (56, (512, 512)),  # 1 MiB each
     (256, (4096,)),  # 16 KiB each (biases, norms)
 )
+# name -> (layout, how its tensors reach the device: "computed" = a graph's output, "moved" = cpu.to(device))
 STATES = {
-    "model": LAYOUT,
-    "8x64MiB": ((8, (4096, 4096)),),  # held out: 0.5 GiB, eight tensors of 64 MiB
-    "1x1GiB": ((1, (16384, 16384)),),  # held out: one tensor of 1 GiB
+    "model": (LAYOUT, "computed"),
+    "8x64MiB": (((8, (4096, 4096)),), "computed"),  # held out: 0.5 GiB, eight tensors of 64 MiB
+    "1x1GiB": (((1, (16384, 16384)),), "computed"),  # held out: one tensor of 1 GiB
+    "1x1GiB-moved": (((1, (16384, 16384)),), "moved"),  # held out: the same, moved to the device as it is
 }
 
 
@@ -158,7 +172,7 @@ class Sampler:
         return False
 
 
-def make_state(device, layout=LAYOUT):
+def make_state(device, layout=LAYOUT, how="computed"):
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -168,11 +182,33 @@ def make_state(device, layout=LAYOUT):
     for group, (count, shape) in enumerate(layout):
         for i in range(count):
             cpu = torch.randn(shape, generator=g)
-            state[f"g{group}.t{i}"] = cpu.to(device) * 0.02  # a graph output, like trained weights
+            if how == "moved":
+                state[f"g{group}.t{i}"] = cpu.to(device)  # device data, still being copied in the background
+            else:
+                state[f"g{group}.t{i}"] = cpu.to(device) * 0.02  # a graph output, like trained weights
             del cpu
             torch_xla.sync()  # one tensor at a time: the build never holds much more than the state
-    xm.wait_device_ops()
+    xm.wait_device_ops()  # waits for executions, not for the background copies of moved tensors
     return state
+
+
+def landed(state) -> None:
+    """Wait until every tensor of ``state`` holds its data on the device and the host staging copies are freed.
+
+    A one-element read of each tensor (one small graph) runs after the tensor's copy to the device; the
+    staging copy is freed as that copy completes, so resident memory is then watched until it stops falling.
+    """
+    import torch
+
+    torch.stack([t.reshape(-1)[0] for t in state.values()]).cpu()
+    read = _statm_reader()
+    rss, deadline = read()[0], time.monotonic() + 3
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = read()[0]
+        if now > rss - MIB:
+            return
+        rss = now
 
 
 def _save(way: str, state, path: Path):
@@ -290,9 +326,15 @@ def child(way: str, workdir: Path, state_name: str = "model") -> dict:
     import torch_xla
 
     device = torch_xla.device()
+    layout, how = STATES[state_name]
     t0 = time.perf_counter()
-    state = make_state(device, STATES[state_name])
+    state = make_state(device, layout, how)
     build_s = time.perf_counter() - t0
+    in_flight = None
+    if how == "moved":  # what the background copy to the device still adds, no save running; then it is done
+        with Sampler() as f:
+            landed(state)
+        in_flight = (max(f.peak, f.hwm) - f.before) / GIB
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     largest = max(t.numel() * t.element_size() for t in state.values())
     save_way = "tpukit" if way == "tpukit-phases" else way
@@ -328,6 +370,8 @@ def child(way: str, workdir: Path, state_name: str = "model") -> dict:
         "peak_extra_anon_rss_sampled_gb": (s.peak_anon - s.before_anon) / GIB,
         "samples": s.samples, "state_build_s": build_s,
     }
+    if in_flight is not None:
+        result["in_flight_extra_rss_gb"] = in_flight
     if save_way != "tpukit":
         result["fsync_after_s"] = _fsync_seconds(path)  # outside the measured call
     if phases:
@@ -386,7 +430,7 @@ def _machine_busy_share(j0: int, t0: float) -> float:
 def measure(state_name: str, phase_reps: int) -> dict:
     """REPS fresh-process runs of every way on state ``state_name`` (+ ``phase_reps`` phase runs): medians, targets."""
     med = statistics.median
-    layout = STATES[state_name]
+    layout, how = STATES[state_name]
     print(f"\n== state {state_name}: {REPS} repetitions of {len(WAYS)} ways, each in a fresh process"
           + (f", then {phase_reps} tpukit runs timed by phase" if phase_reps else ""), flush=True)
     raw: dict[str, list[dict]] = {w: [] for w in WAYS}
@@ -436,6 +480,7 @@ def measure(state_name: str, phase_reps: int) -> dict:
 
     result = {
         "state": state_name,
+        "built": how,
         "state_gb": state_gb,
         "largest_tensor_gb": largest_gb,
         "tensors": first["tensors"],
@@ -454,6 +499,10 @@ def measure(state_name: str, phase_reps: int) -> dict:
         },
         "machine_busy_share_median": med(loads),
     }
+    if how == "moved":  # every way's child measured it before its save
+        flights = [r["in_flight_extra_rss_gb"] for w in WAYS for r in raw[w]]
+        result["in_flight_extra_rss_gb"] = {"median": med(flights), "x_state_median": med(flights) / state_gb,
+                                            "min": min(flights), "max": max(flights), "runs": len(flights)}
     if phase_runs:
         labels = sorted({k for p in phase_runs for k in p["phases_s"]}, key=lambda k: -med(
             p["phases_s"].get(k, 0.0) for p in phase_runs))
@@ -485,6 +534,10 @@ def measure(state_name: str, phase_reps: int) -> dict:
               else f"{'(inside)':>15s} {d['gb_per_s']:15.3f}")
         print(f"{way:12s} {d['peak_extra_rss_gb']:19.3f} {d['peak_extra_rss_gb'] / state_gb:8.2f} "
               f"{d['seconds']:8.2f} {d['gb_per_s']:7.3f} {fs}")
+    if how == "moved":
+        fl = result["in_flight_extra_rss_gb"]
+        print(f"before each save, the background copy to the device still added {fl['median']:.3f} GiB "
+              f"({fl['x_state_median']:.2f}x, {fl['min']:.3f}-{fl['max']:.3f}) with no save running")
     print(f"target tpukit peak extra RSS <= {MEM_TARGET} x state ({MEM_TARGET * state_gb:.3f} GiB): "
           f"{tk['peak_extra_rss_gb']:.3f} GiB = {tk['peak_extra_rss_gb'] / state_gb:.2f}x, "
           f"{'met' if mem_ok else 'NOT met'} (worst repetition {worst_mem / state_gb:.2f}x)")
@@ -512,12 +565,20 @@ def main(state_names: list[str]) -> int:
     print(f"writing to {WORKDIR} ({fstype})", flush=True)
     from tpukit.checkpoint.chunks import COPY_CHUNK
 
+    key, versions = stack()
+    print(f"stack {key}: Python {versions['python']}, torch {versions['torch']}, torch_xla {versions['torch_xla']}",
+          flush=True)
     states = {name: measure(name, PHASE_REPS if name == "model" else 0) for name in state_names}
+    results = _read_results()
+    entry = results["stacks"].get(key, {})
+    entry = {**versions, "date": time.strftime("%Y-%m-%d"), "copy_chunk_bytes": COPY_CHUNK,
+             "machine": f"{platform.machine()}, {os.cpu_count()} cores, XLA:CPU, shared with other work",
+             "reps": REPS, "states": {**entry.get("states", {}), **states}}  # a --states run keeps the others
+    entry["all_targets_met"] = all(t["met"] for st in entry["states"].values() for t in st["targets"].values())
+    results["stacks"][key] = entry
     result = {
         "unit": "GiB (2**30 bytes); gb_per_s is GiB/s",
-        "copy_chunk_bytes": COPY_CHUNK,
-        "states": states,
-        "all_targets_met": all(t["met"] for st in states.values() for t in st["targets"].values()),
+        "stacks": results["stacks"],
         "method": {
             "peak_extra_rss": ("max(sampled /proc/self/statm every ~1 ms, kernel VmHWM reset via "
                                "/proc/self/clear_refs) during the save call - RSS just before it (after "
@@ -531,22 +592,47 @@ def main(state_names: list[str]) -> int:
                       "writing, manifest; device tensors over copy_chunk_bytes copied a chunk at a time)",
             "fsync_after_s": "for xm.save and torch.save: an fsync of the file after the call, not in gb_per_s",
             "disk": f"{WORKDIR.relative_to(ROOT)} on {fstype}; files deleted and sync'ed between runs",
+            "states": "computed: each tensor a graph's output (cpu.to(device) * 0.02); moved: cpu.to(device) as it "
+                      "is, and each run waits until the background copy to the device is done (one-element "
+                      "reads) before its save, reporting what that copy added meanwhile as in_flight_extra_rss_gb",
+            "stacks": "one entry per stack (torch_xla<version>-py<major.minor>), written by a run on that stack",
         },
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, XLA:CPU, shared with other work",
-        "reps": REPS,
     }
     print("\nsummary (median peak extra RSS x state, tpukit / torch.save throughput):")
     for name, st in states.items():
         mem, speed = (st["targets"][k] for k in ("tpukit_peak_extra_rss_le_0.25_state",
                                                  "tpukit_over_torch_save_throughput_ge_0.9"))
-        print(f"  {name:8s} {mem['x_state']:.2f}x (<= {MEM_TARGET}: {'met' if mem['met'] else 'NOT met'})  "
+        print(f"  {name:12s} {mem['x_state']:.2f}x (<= {MEM_TARGET}: {'met' if mem['met'] else 'NOT met'})  "
               f"tpukit {st['ways']['tpukit']['gb_per_s']:.3f} GiB/s, torch.save "
               f"{st['ways']['torch.save']['gb_per_s']:.3f} GiB/s, ratio {speed['ratio']:.2f} "
               f"(>= {SPEED_TARGET}: {'met' if speed['met'] else 'NOT met'})")
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {OUT}")
+    print(f"wrote {OUT} (stack {key})")
     return 0
+
+
+def stack() -> tuple[str, dict]:
+    """The results key of this interpreter's stack (``torch_xla2.8.0-py3.12``) and its versions."""
+    from importlib.metadata import version
+
+    versions = {"python": platform.python_version(), "torch": version("torch"), "torch_xla": version("torch_xla")}
+    major_minor = ".".join(platform.python_version_tuple()[:2])
+    return f"torch_xla{versions['torch_xla']}-py{major_minor}", versions
+
+
+def _read_results() -> dict:
+    """The results file as ``{"stacks": {key: entry}}``; a file from before stacks were kept becomes one entry."""
+    if not OUT.exists():
+        return {"stacks": {}}
+    old = json.loads(OUT.read_text())
+    if "stacks" in old:
+        return old
+    return {"stacks": {"torch_xla2.9.0-py3.11": {
+        "python": "3.11.7", "torch": "2.9.0", "torch_xla": "2.9.0", "date": "2026-11-25",
+        "note": "before results were kept per stack (versions from bench/README.md); its states were all graph "
+                "outputs, none moved to the device",
+        **{k: old[k] for k in ("copy_chunk_bytes", "machine", "reps", "states", "all_targets_met") if k in old}}}}
 
 
 if __name__ == "__main__":

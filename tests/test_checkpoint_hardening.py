@@ -369,10 +369,17 @@ def test_the_memory_preflight_counts_chunks_not_the_largest_device_tensor(dev):
 
 
 def test_peak_host_memory_of_saving_one_large_device_tensor_is_bounded_by_the_chunk(tmp_path):
-    # a fresh process, so its resident-memory high-water mark measures this save alone
+    # A fresh process, so its resident-memory high-water mark measures each save alone: a tensor computed on
+    # the device, and one moved there with .to() (issue 37's case), measured once torch_xla's background copy
+    # to the device has landed: that copy alone ("in_flight", no save running) raised resident memory by
+    # 0.3-0.74 of the tensor after sync() had returned, which issue 37 counted as the save's.
+    # 512 MiB: a save's own extra is about a dozen 4 MiB chunks whatever the tensor (0.05-0.12 of it here);
+    # at 256 MiB that is up to ~0.25, too near the bound to tell a regression from allocator noise.
     out = _last_json(_program("memory", "512", "4", OUT_DIR=str(tmp_path)))
-    assert out["extra"] <= 0.25 * out["state"], f"extra {out['extra'] / 2**20:.0f} MiB for a 512 MiB tensor"
-    assert ck.verify(tmp_path / "big.pt").bytes > out["state"]  # committed: the manifest's size and sha256 match
+    mib = {k: f"{v / 2**20:.0f} MiB" for k, v in out.items()}
+    for how in ("computed", "moved"):
+        assert out[how] <= 0.25 * out["state"], f"{how}: extra {mib[how]} for a 512 MiB tensor ({mib})"
+        assert ck.verify(tmp_path / f"{how}.pt").bytes > out["state"]  # committed: the manifest's size and sha256
 
 
 def test_a_guarded_loop_saving_a_chunked_tensor_reports_no_recompilation(tmp_path, rt):

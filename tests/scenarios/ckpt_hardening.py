@@ -5,8 +5,10 @@
   python ckpt_hardening.py async-exit DIR   an async save of an XLA state, then the script ends without wait()
   python ckpt_hardening.py shape DIR        SPMD over CPU_NUM_DEVICES virtual devices: save a sharded
                                              Linear(8, 16), restore it into a sharded Linear(8, 32)
-  python ckpt_hardening.py memory MIB CHUNK_MIB   save one XLA tensor of MIB MiB with copy_chunk CHUNK_MIB;
-                                             print the peak extra resident memory of the save (VmHWM)
+  python ckpt_hardening.py memory MIB CHUNK_MIB   save an XLA tensor of MIB MiB with copy_chunk CHUNK_MIB,
+                                             computed on the device, then one moved there with .to();
+                                             print the peak extra resident memory of each save (VmHWM)
+                                             and what the move itself still added after sync()
 
 Each prints one JSON line last (hold: its pid first). This is a test program, so it imports torch_xla.
 """
@@ -78,31 +80,81 @@ def shape(directory: str) -> None:
     print(json.dumps(out))
 
 
-def memory(mib: str, chunk_mib: str) -> None:
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _reset_peak() -> int:
+    """Free what is free (gc, malloc_trim), reset VmHWM to the resident memory, and return that."""
+    import ctypes
     import gc
 
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident memory
+    return _status("VmRSS")
+
+
+def _landed(t) -> None:
+    """Wait until ``t``'s device buffer holds its data, and torch_xla's host staging copy is freed.
+
+    torch_xla's ``.to(device)`` returns once the data is in a host staging buffer; the PJRT client fills
+    the device buffer from it in the background and frees it when done, and neither ``torch_xla.sync()``
+    nor ``xm.wait_device_ops()`` waits for that (on XLA:CPU the device buffer is host memory too). A
+    one-element read of ``t`` runs after the copy; resident memory then stops falling.
+    """
+    import time
+
+    t.reshape(-1)[:1].cpu()
+    rss, deadline = _status("VmRSS"), time.monotonic() + 3
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        now = _status("VmRSS")
+        if now > rss - (1 << 20):
+            return
+        rss = now
+
+
+def memory(mib: str, chunk_mib: str) -> None:
     import torch
     import torch_xla
+    import torch_xla.core.xla_model as xm
 
     from tpukit.checkpoint import save
 
     dev = torch_xla.device()
-    t = torch.randn(int(mib) << 18).to(dev) * 0.5  # MIB MiB of float32, a graph output living on the device
-    torch_xla.sync()
+    out_dir, n, chunk = os.environ["OUT_DIR"], int(mib) << 18, int(chunk_mib) << 20  # n float32 = MIB MiB
     small = torch.ones(8, device=dev)
     torch_xla.sync()
-    save({"w": small}, os.path.join(os.environ["OUT_DIR"], "warm.pt"))  # imports and first-call set-up
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident memory
+    save({"w": small}, os.path.join(out_dir, "warm.pt"))  # imports and first-call set-up
+    out = {"state": int(mib) << 20}
 
-    def status(field: str) -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    # A graph's output (trained weights): on the device once the execution is done.
+    t = torch.arange(n, dtype=torch.float32).to(dev) * 0.5  # arange: quicker to fill than randn
+    torch_xla.sync()
+    xm.wait_device_ops()
+    before = _reset_peak()
+    save({"w": t}, os.path.join(out_dir, "computed.pt"), copy_chunk=chunk)
+    out["computed"] = _status("VmHWM") - before
+    del t
 
-    before = status("VmRSS")
-    save({"w": t}, os.path.join(os.environ["OUT_DIR"], "big.pt"), copy_chunk=int(chunk_mib) << 20)
-    print(json.dumps({"state": int(mib) << 20, "extra": status("VmHWM") - before}))
+    # Host data moved to the device (a model placed there, a loaded checkpoint): still being copied in
+    # the background when sync() and wait_device_ops() return. What that copy adds with no save running is
+    # "in_flight" (what issue 37 measured as the save's); the save is measured once the tensor has landed.
+    host = torch.arange(n, dtype=torch.float32)
+    t = host.to(dev)
+    del host
+    torch_xla.sync()
+    xm.wait_device_ops()
+    before = _reset_peak()
+    _landed(t)
+    out["in_flight"] = _status("VmHWM") - before
+    before = _reset_peak()
+    save({"w": t}, os.path.join(out_dir, "moved.pt"), copy_chunk=chunk)
+    out["moved"] = _status("VmHWM") - before
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":
