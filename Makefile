@@ -136,8 +136,10 @@ test-unit: $(STAMP)
 
 # CI runs the unit tests in two parts, one on each of its lanes (make test-unit runs them as one): the
 # modules below, and everything else, so that a new test file is never left out.
-UNIT_PART1 := $(addprefix tests/test_,pod.py parallel.py checkpoint_scale.py checkpoint_hardening.py tpu.py \
-	hardening.py platform.py cells.py)
+# In this order: the simulated slice's Ray cluster (test_pod) starts after lane 3's install of .venv-colab
+# is over (a Ray node gives its agents 15 s to start; under an install beside two lanes they missed it).
+UNIT_PART1 := $(addprefix tests/test_,checkpoint_scale.py checkpoint_hardening.py tpu.py hardening.py \
+	platform.py cells.py parallel.py pod.py)
 test-unit-part1: $(STAMP)
 	$(VPY) -m pytest $(UNIT_PART1) -q -p no:cacheprovider
 test-unit-part2: $(STAMP)

@@ -25,7 +25,7 @@ from .errors import SliceError
 
 log = logging.getLogger("tpukit")
 
-_START_ATTEMPTS = 3  # tries to start one simulated host's Ray node (see LocalSlice.start)
+_START_ATTEMPTS = 5  # tries to start one simulated host's Ray node (see LocalSlice.start)
 
 # What this process's XLA runtime was configured with: the simulated hosts start their own.
 _NOT_INHERITED = ("PT_XLA_DEBUG", "XLA_FLAGS", "XLA_USE_SPMD", "CPU_NUM_DEVICES", "TPUKIT_REPLICA_RANK",
@@ -119,7 +119,7 @@ class LocalSlice:
 
         Ray gives a new node 30 s to register (its raylet is a new process): on a machine busy with
         other work that can pass. A node that timed out is stopped (every process it started)
-        and started again, up to ``_START_ATTEMPTS`` times, saying so; the slice then has no node left
+        and started again, up to ``_START_ATTEMPTS`` times (5), saying so; the slice then has no node left
         half-started."""
         if self.cluster is not None:
             return self
