@@ -20,6 +20,9 @@ pytest.importorskip("ray")
 
 import tpukit  # noqa: E402
 
+# Ray's own 30 s wait runs out once, then the slice starts again: minutes on a busy machine.
+pytestmark = pytest.mark.timeout(900)
+
 
 def _stop_first_raylet(stopped: list, until: float) -> None:
     """SIGSTOP the first raylet process this process starts (before ``until``); note its pid."""

@@ -30,6 +30,10 @@ from tpukit import events, hosts  # noqa: E402
 # The hosts cannot import this test module: its functions travel by value, as a notebook's do.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+# The module's slice starts in its first test's setup: on a busy machine a host may need several of
+# LocalSlice's five tries (about a minute each), more than the default 300 s.
+pytestmark = pytest.mark.timeout(900)
+
 TOPOLOGY, VERSION, HOSTS, CHIPS = "4x4", "v5e", 4, 4
 LEFT_BEHIND_WAIT_S = 90  # how long Ray gets to finish removing what a run released
 
