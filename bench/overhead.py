@@ -17,8 +17,10 @@ The step is the same (``zero_grad``, forward, ``backward``, ``xm.optimizer_step`
 so the three loops run the same graph. Tracing is configured once, before
 torch_xla starts, so it is on for all three (it only writes when something
 compiles; the timed repetitions compile nothing, which the bench checks). Each
-repetition runs the three loops one after the other, in an order that rotates,
-after a warm-up that compiles everything.
+repetition runs the three loops one after the other, and the idiomatic loop a
+second time (the A/A ratio, idiomatic again / idiomatic: how far one loop differs
+from itself on this machine, the noise floor of the other ratios), in an order
+that rotates, after a warm-up that compiles everything.
 
 The measure is each loop's steady time per step: from the end of its first step
 until the device is idle after its last one, over the remaining steps (the loop's
@@ -68,7 +70,9 @@ BATCH, DIM, HIDDEN = 128, 256, 1024
 TARGET = 1.02
 QUIET = float(os.environ.get("BENCH_QUIET", "0.05"))  # max CPU share of other processes in a usable rep
 MIN_QUIET = 5
-LOOPS = ("bare", "idiomatic", "tpukit")
+# "idiomatic_again" is the idiomatic loop run a second time in each repetition: idiomatic_again/idiomatic is
+# the A/A ratio, how far one loop differs from itself here, the noise floor of the ratios above.
+LOOPS = ("bare", "idiomatic", "tpukit", "idiomatic_again")
 DEVICE = torch_xla.device()
 
 
@@ -172,7 +176,7 @@ def tracked(model, opt, loader):
     return times, time.perf_counter() - start, time.process_time() - cpu0, time.thread_time() - th0
 
 
-RUN = {"bare": bare, "idiomatic": idiomatic, "tpukit": tracked}
+RUN = {"bare": bare, "idiomatic": idiomatic, "tpukit": tracked, "idiomatic_again": idiomatic}
 
 
 def _busy_jiffies() -> tuple[int, int] | None:
@@ -219,7 +223,7 @@ def main() -> int:
     timed_from = time.perf_counter()
     print(f"{REPS} repetitions of {STEPS} steps, loops in rotating order", flush=True)
     for r in range(REPS):
-        order = LOOPS[r % 3:] + LOOPS[:r % 3]
+        order = LOOPS[r % len(LOOPS):] + LOOPS[:r % len(LOOPS)]
         rep: dict = {}
         j0, w0 = _busy_jiffies(), time.perf_counter()
         for name in order:
@@ -237,16 +241,16 @@ def main() -> int:
         rep["others"] = _others_share(j0, _busy_jiffies(), time.perf_counter() - w0)
         rep["quiet"] = rep["others"] is None or rep["others"] <= QUIET
         reps.append(rep)
-        b, i, t = (rep[k]["steady_ms"] for k in LOOPS)
+        b, i, t, i2 = (rep[k]["steady_ms"] for k in LOOPS)
         load = "" if rep["others"] is None else f"   other processes {rep['others']:.0%} of the CPUs"
         print(f"rep {r + 1:2d}: bare {b:6.2f}  idiomatic {i:6.2f}  tpukit {t:6.2f} ms/step   "
-              f"tpukit/bare {t / b:.3f}  tpukit/idiomatic {t / i:.3f}{load}", flush=True)
+              f"tpukit/bare {t / b:.3f}  tpukit/idiomatic {t / i:.3f}  A/A {i2 / i:.3f}{load}", flush=True)
 
     quiet = [r for r in reps if r["quiet"]]
     used = quiet if len(quiet) >= MIN_QUIET else reps
 
-    def ratios(base: str, key: str = "steady_ms") -> list[float]:
-        return [r["tpukit"][key] / r[base][key] for r in used]
+    def ratios(base: str, key: str = "steady_ms", of: str = "tpukit") -> list[float]:
+        return [r[of][key] / r[base][key] for r in used]
 
     def per_loop(key: str) -> dict:
         return {k: med(r[k][key] for r in used) for k in LOOPS}
@@ -266,8 +270,12 @@ def main() -> int:
         "ratio_idiomatic_interval_90": interval(ratios("idiomatic")),
         "ratios": ratios("bare"),
         "ratios_idiomatic": ratios("idiomatic"),
+        # A/A: the idiomatic loop against itself in the same repetition (the noise floor of the ratios)
+        "aa_ratio_median": med(ratios("idiomatic", of="idiomatic_again")),
+        "aa_ratio_interval_90": interval(ratios("idiomatic", of="idiomatic_again")),
+        "aa_ratios": ratios("idiomatic", of="idiomatic_again"),
         "metric": ("steady time per step: from the end of step 1 until the device is idle after the last "
-                   "step, over steps - 1; ratios are per repetition (the three loops run back to back), "
+                   "step, over steps - 1; ratios are per repetition (the loops run back to back), "
                    "then the median"),
         "step_median_ratio_median": med(ratios("bare", "step_median_ms")),
         "step_median_ratio_idiomatic_median": med(ratios("idiomatic", "step_median_ms")),
@@ -289,6 +297,7 @@ def main() -> int:
             "idiomatic": "for x, y in MpDeviceLoader(loader, device): step (xm.optimizer_step), no other sync",
             "tpukit": "for x, y in tpukit.track(loader): step; tpukit.log(loss=loss); a listener; "
                       "compile tracing + HLO dump on (tpukit.setup())",
+            "idiomatic_again": "the idiomatic loop again, in the same repetition (A/A)",
         },
         "step": "zero_grad, cross_entropy(model(x), y), backward, xm.optimizer_step(opt)",
         "steps_per_rep": STEPS,
@@ -311,7 +320,7 @@ def main() -> int:
              else f"all {len(used)} repetitions (only {len(quiet)} were quiet: the machine was busy)")
     print(f"\nmedians over {which}")
     rows = [("bare (x.to(device), sync)", "bare"), ("idiomatic (MpDeviceLoader)", "idiomatic"),
-            ("tpukit (track + log + listener)", "tpukit")]
+            ("tpukit (track + log + listener)", "tpukit"), ("idiomatic again (A/A)", "idiomatic_again")]
     cols = (("steady", "steady_ms"), ("median step", "step_median_ms"), ("whole run", "whole_ms"),
             ("CPU", "cpu_ms"), ("loop thread CPU", "loop_thread_cpu_ms"))
     print(f"{'ms per step':34s} " + " ".join(f"{c:>15s}" for c, _ in cols))
@@ -319,10 +328,11 @@ def main() -> int:
         print(f"{label:34s} " + " ".join(f"{per_loop(key)[k]:15.2f}" for _, key in cols))
     print(f"\n{'ratio (median per repetition)':34s} " + " ".join(f"{c:>15s}" for c, _ in cols[:4])
           + f" {'steady, range':>18s} {'steady, 90% interval':>22s}")
-    for label, base in (("tpukit / bare", "bare"), ("tpukit / idiomatic", "idiomatic")):
-        rs = ratios(base)
+    for label, base, of in (("tpukit / bare", "bare", "tpukit"), ("tpukit / idiomatic", "idiomatic", "tpukit"),
+                            ("A/A: idiomatic again / idiomatic", "idiomatic", "idiomatic_again")):
+        rs = ratios(base, of=of)
         lo, hi = interval(rs)
-        print(f"{label:34s} " + " ".join(f"{med(ratios(base, key)):15.3f}" for _, key in cols[:4])
+        print(f"{label:34s} " + " ".join(f"{med(ratios(base, key, of)):15.3f}" for _, key in cols[:4])
               + f" {min(rs):8.3f} to {max(rs):.3f} {lo:12.3f} to {hi:.3f}")
     if rt.target:
         print(f"\nthe TPU compiler's worker answered for {len(TPU_ANSWERS.lines)} graphs "
