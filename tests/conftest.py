@@ -15,6 +15,13 @@ import sys
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("TPUKIT_DASHBOARD", "text")
 
+# The XLA flags the session started with (the Makefile's test targets set XLA:CPU's code generation to
+# LLVM's lowest optimization level: a tiny BERT's training graph compiles in 5 s instead of 18 s, and runs
+# 2.3x slower, the right trade for tests that take a few steps of many graphs; the HLO, the compile events
+# and the TPU compiler's answers are the same). Read before torch_xla or tpukit add theirs, and given to
+# the fresh interpreters tests start, which drop the rest of this process's XLA_FLAGS (its HLO dump).
+CPU_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
+
 # Started as a background job of a script (as CI's lanes are), this process inherits SIGINT ignored, and
 # so would every process it starts: a Ctrl-C would do nothing, and the tests that press it (the launcher's,
 # the slice runner's) would wait for ever. Deliver it the way a terminal or a notebook kernel does.
@@ -40,6 +47,8 @@ def run_python(code: str, env: dict | None = None, timeout: float = 300,
     """
     dropped = ("PT_XLA_DEBUG", "CPU_NUM_DEVICES", "XLA_USE_SPMD", "XLA_FLAGS") + tuple(drop)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
+    if CPU_XLA_FLAGS:
+        full_env["XLA_FLAGS"] = CPU_XLA_FLAGS
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=timeout)
 

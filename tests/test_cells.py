@@ -10,6 +10,7 @@ import os
 
 import pytest
 from jupyter_client import manager
+from conftest import CPU_XLA_FLAGS
 
 SETUP = "import tpukit\nrt = tpukit.setup(device='cpu')\nimport torch\ndevice = rt.device"
 LOOP = """\
@@ -34,6 +35,8 @@ for b in tr2:
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PT_XLA_DEBUG", "XLA_FLAGS", "CPU_NUM_DEVICES"))}
     env.update(PJRT_DEVICE="CPU", TPUKIT_DASHBOARD="text")
+    if CPU_XLA_FLAGS:
+        env["XLA_FLAGS"] = CPU_XLA_FLAGS
     return env
 
 
