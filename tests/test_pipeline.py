@@ -312,6 +312,28 @@ from tpukit.widgets import render
 shown = render.text_report(dash.view())
 dash.close()
 
+# A tracked loop with its own dashboard that ends before the TPU compiler answers for its last graph (a new
+# one: it is sent once its CPU compile finished, and the loop ends right after): the dashboard shows the
+# answers that come after its closing line, and then stops listening.
+import contextlib, io
+late_out = io.StringIO()
+with contextlib.redirect_stdout(late_out):
+    small = torch.nn.Linear(48, 16).to(rt.device)
+    small_opt = torch.optim.AdamW(small.parameters())
+    loop = tpukit.track([torch.randn(4, 48) for _ in range(2)], progress=False, dashboard=True)
+    for x in loop:
+        small(x).square().mean().backward()
+        small_opt.step()
+        small_opt.zero_grad()
+    waited_at_close = loop.dashboard.state.awaiting_estimates()
+    loop_events = {e.index for r in loop.history for e in r.compile_events}
+    deadline = time.time() + 180
+    while not loop_events <= {g[0] for g in got} and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(0.5)
+late = {"waited": waited_at_close, "tpu_rows": len(loop.dashboard.view().tpu), "out": late_out.getvalue(),
+        "listening": loop.dashboard in events.listeners()}
+
 from IPython.core.interactiveshell import InteractiveShell
 shell = InteractiveShell.instance()
 shell.run_cell("%load_ext tpukit")
@@ -320,7 +342,7 @@ out = io.StringIO()
 with contextlib.redirect_stdout(out):
     shell.run_cell("%%xla --target v5e-8\\nimport torch\\ny = (torch.ones(16, 16, device='xla') @ torch.ones(16, 16, device='xla')).sum()\\n")
 print("RESULT " + json.dumps({"target": rt.target, "got": got, "events": events_, "cell": out.getvalue(),
-                              "report": rt.report(), "dashboard": shown, "summary": summary_tpu}))
+                              "report": rt.report(), "dashboard": shown, "summary": summary_tpu, "late": late}))
 """
 
 
@@ -348,6 +370,9 @@ def test_with_a_target_every_graph_is_compiled_for_it_in_the_background():
     assert all(r["hbm_bytes"] <= r["hbm_limit_bytes"] and r["step_s_min"] > 0 for r in rows), rows
     shown = [ln for ln in out["dashboard"].splitlines() if "on the target TPU:" in ln]
     assert 1 <= len(shown) <= len({g[0] for g in got}) and all("v5e-1: fits" in ln for ln in shown), out["dashboard"]
+    late = out["late"]  # the loop's dashboard closed before the TPU compiler's answer for its last graph
+    assert late["waited"] and late["tpu_rows"] >= 1 and not late["listening"], late
+    assert "tpukit: on the target TPU:" in late["out"] and "v5e-1: fits" in late["out"], late["out"]
     cell = out["cell"]
     assert "%%xla --target v5e-8: each graph compiled by the TPU compiler" in cell, cell
     assert "v5e-8: fits" in cell and "HBM per chip" in cell, cell

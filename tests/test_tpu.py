@@ -96,6 +96,30 @@ def test_known_mlp_step_has_the_memory_and_flops_it_must(rt):
     assert est.step_s_min == pytest.approx(floor) and est.bound in ("compute", "memory")
     text, page = str(est), est._repr_html_()
     assert "HBM per chip" in text and "roofline" in text and "<table>" in page
+    # It names the compiler that answered: the libtpu and jax installed here (the worker's own report).
+    found = tpu.versions()
+    assert est.compiler == f"libtpu {found['libtpu']} (jax {found['jax']})" and f"by {est.compiler}" in text
+    # Both CI stacks install the libtpu their torch_xla pins (Kaggle's 0.0.17, Colab's 0.0.21.1): no note.
+    assert est.compiler_note is None, est.compiler_note
+
+
+def test_an_estimate_says_when_its_compiler_is_not_the_runtimes():
+    from tpukit.tpu import compilers
+
+    # torch_xla's releases and the libtpu each pins (setup.py), Colab's and Kaggle's as they ship them.
+    assert {r: (c.libtpu, c.jax) for r, c in compilers.RUNTIMES.items()} == {
+        (2, 6): ("0.0.7.1", "0.4.38"), (2, 7): ("0.0.11.1", "0.5.3"), (2, 8): ("0.0.17", "0.7.2"),
+        (2, 9): ("0.0.21.1", "0.7.2")}
+    newest = {"jax": "0.12.0.1", "jaxlib": "0.12.0.1", "libtpu": "0.0.50.1"}
+    note = compilers.mismatch(newest, (2, 8))
+    assert "libtpu 0.0.50.1" in note and "torch_xla 2.8's runtime runs libtpu 0.0.17" in note, note
+    assert compilers.mismatch({"libtpu": "0.0.21"}, (2, 9)) is None  # torch_xla 2.9's pin, Colab's 0.0.21.1
+    assert compilers.mismatch({"libtpu": "0.0.17"}, (2, 8)) is None
+    assert compilers.mismatch(newest, (3, 0)) is None  # a release the table does not know: nothing to say
+    assert compilers.describe(newest) == "libtpu 0.0.50.1 (jax 0.12.0.1)" and compilers.describe({}) == ""
+    assert compilers.runtime((2, 9)).name == "torch_xla 2.9"
+    installed = compilers.runtime()  # the torch_xla of this stack
+    assert installed is not None and installed.torch_xla == _xla.versions.installed()
 
 
 def test_in_place_update_is_donated(rt):
@@ -323,6 +347,16 @@ def test_an_oversized_step_is_refused_with_the_compilers_numbers(rt):
     assert not est.fits
     assert "RESOURCE_EXHAUSTED" in est.message or "memory" in est.message.lower(), est.message
     assert est.hbm_bytes > est.hbm_limit_bytes > 15 * 1024**3, est  # both parsed from the compiler's message
+    # Why, in the compiler's words: its largest allocations, the biggest first, are this batch's activations
+    # (1M rows of the 4096-wide hidden layer: 16 GiB in f32), and the estimate's text shows them.
+    why = est.refusal
+    assert why is not None and why.used_bytes == est.hbm_bytes and why.limit_bytes == est.hbm_limit_bytes, why
+    top = why.largest()
+    assert top and top[0].bytes == max(a.bytes for a in why.allocations) and "1048576" in top[0].shape, top
+    assert top[0].bytes >= 4 * 1024**3 and top[0].kind and top[0].instruction != "?", top[0]
+    assert why.program_bytes is None or why.program_bytes <= why.used_bytes
+    assert "why: the largest buffers" in str(est) and top[0].shape in str(est), str(est)
+    assert tpu.refusal.parse("INVALID_ARGUMENT: something else") is None
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
     assert grown < 1024**3, f"host memory grew {grown / 1e9:.1f} GB"
 

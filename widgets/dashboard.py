@@ -23,7 +23,7 @@ import threading
 import warnings
 from typing import Any
 
-from tpukit import events, metrics, steps
+from tpukit import events, metrics, steps, tpu
 from tpukit import runtime as _runtime
 from tpukit._text import plural
 from tpukit.errors import TpukitWarning
@@ -106,7 +106,7 @@ class Dashboard:
     # ------------------------------------------------------------ listener (publishing threads, O(1))
     def on_step(self, record: Any) -> None:
         """Consume one step record (and print a text line when one is due)."""
-        if self.disabled:
+        if self.disabled or self.closed:
             return
         try:
             self.state.add_step(record)
@@ -115,8 +115,13 @@ class Dashboard:
             self._fail(exc, "on_step")
 
     def on_compile(self, event: Any) -> None:
-        """Consume one compile event: started (compiling now), or finished and classified."""
+        """Consume one compile event: started (compiling now), or finished and classified; after the loop
+        ended, only the graph of a compile it saw (a target's follower compiles it: its answer is awaited)."""
         if self.disabled:
+            return
+        if self.closed:
+            self.state.settle(event)
+            self._stop_waiting_if_done()
             return
         try:
             self.state.add_compile(event)
@@ -124,25 +129,41 @@ class Dashboard:
             self._fail(exc, "on_compile")
 
     def on_tpu_estimate(self, event: Any, estimate: Any) -> None:
-        """Consume what the TPU compiler says about a compile's graph on the target TPU."""
+        """Consume what the TPU compiler says about a compile's graph on the target TPU; an answer that
+        comes after the loop ended is shown then (the TPU compiler takes longer than a short run)."""
         if self.disabled:
             return
         try:
-            self.state.add_estimate(event, estimate)
+            added = self.state.add_estimate(event, estimate, seen_only=self.closed)
+            if self.closed:
+                if added:
+                    self.ui.late_estimate()
+                self._stop_waiting_if_done()
         except Exception as exc:
             self._fail(exc, "on_tpu_estimate")
 
     def on_track_start(self, tracker: Any) -> None:
-        """A tracked loop begins (track() has armed the step hook itself)."""
+        """A tracked loop begins (track() has armed the step hook itself). A closed dashboard still
+        waiting for TPU answers stops waiting: the next run is another dashboard's."""
+        if self.closed:
+            events.remove_listener(self)
+            return
         self.state.track_started(tracker)
         if getattr(tracker, "dashboard", None) is self:
             self._owner = tracker
 
     def on_track_end(self, tracker: Any) -> None:
         """A tracked loop ended; the one that opened this dashboard closes it."""
+        if self.closed:
+            return
         self.state.track_ended(tracker)
         if tracker is self._owner:
             self.close()
+
+    def _stop_waiting_if_done(self) -> None:
+        """Once closed: stop listening when no TPU answer for this dashboard's compiles is still to come."""
+        if not self.state.awaiting_estimates(following=tpu.follower() is not None):
+            events.remove_listener(self)
 
     # ------------------------------------------------------------ the front end's thread asks
     def poll(self) -> None:
@@ -240,12 +261,14 @@ class Dashboard:
 
     def close(self) -> None:
         """Stop the threads, detach the listener and render the final state (widgets stay, frozen,
-        until :meth:`report` replaces them; in text mode, the closing line)."""
+        until :meth:`report` replaces them; in text mode, the closing line). While TPU answers for the
+        run's graphs are still on their way, it stays listening for those alone and shows them as they
+        come (until they all came, or the next tracked loop starts)."""
         if self.closed:
             return
         with self._attach_lock:  # no _attach() may slip in after this
             self.closed = True
-            events.remove_listener(self)
+            self._stop_waiting_if_done()  # else it listens for the TPU answers still to come
         self.ui.stop()
         if self.disabled:
             return

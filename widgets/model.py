@@ -69,6 +69,8 @@ class DashboardState:
         self._n_events = 0
         self._eager_places: dict[str, None] = {}  # "op at line" of eager-mode compiles, in order
         self._tpu: dict[str, tuple[str, Any]] = {}  # graph -> (its name, the target TPU's estimate)
+        self._for_tpu: set[str] = set()  # graphs a target's follower compiles (their HLO was kept for it)
+        self._unsettled: set[int] = set()  # compiles classified whose graph is not matched to them yet
         self._pending: dict[int, Any] = {}  # index -> a started compile whose finished version has not come
         self._alerts: deque = deque(maxlen=max_alerts)
         self._graphs: deque = deque(maxlen=max_alerts)
@@ -145,7 +147,23 @@ class DashboardState:
         with self._lock:
             self._add_compile(event, step=None)
 
+    def _note_graph(self, ev: Any) -> None:
+        """Keep track of which compiles the TPU compiler will answer for (under the lock)."""
+        if getattr(ev, "settled", False):
+            self._unsettled.discard(ev.index)
+            if getattr(getattr(ev, "graph", None), "proto", None) is not None:
+                self._for_tpu.add(ev.graph_hash or str(ev.index))  # what tpukit.tpu's follower compiles
+        elif ev.kind in KINDS:
+            self._unsettled.add(ev.index)
+
+    def settle(self, event: Any) -> None:
+        """After the loop ended: a compile it saw now has its graph (a target's follower compiles it)."""
+        with self._lock:
+            if event.index in self._kind_of or event.index in self._unsettled:
+                self._note_graph(event)
+
     def _add_compile(self, ev: Any, step: int | None) -> None:
+        self._note_graph(ev)
         if ev.index > self._max_event:
             self._max_event = ev.index
             self._n_events += 1
@@ -176,12 +194,29 @@ class DashboardState:
                     if a.index == ev.index and a.step != known:
                         rows[i] = Compile(ev, known, a.time)
 
-    def add_estimate(self, event: Any, estimate: Any) -> None:
-        """What the TPU compiler says about ``event``'s graph on the target TPU (one row per graph)."""
+    def add_estimate(self, event: Any, estimate: Any, seen_only: bool = False) -> bool:
+        """What the TPU compiler says about ``event``'s graph on the target TPU (one row per graph);
+        ``seen_only``: only for a compile this dashboard saw. True when it is a new row."""
         if getattr(event, "host", 0):
-            return
+            return False
+        key = event.graph_hash or str(event.index)
         with self._lock:
-            self._tpu.setdefault(event.graph_hash or str(event.index), (event.name, estimate))
+            if key in self._tpu or (seen_only and key not in self._for_tpu and event.index not in self._kind_of):
+                return False
+            self._tpu[key] = (event.name, estimate)
+            return True
+
+    def awaiting_estimates(self, following: bool = False) -> bool:
+        """True while a graph this dashboard saw was sent to a target's TPU compiler and has no answer yet;
+        with ``following`` (a target is set), also while a compile it saw has not been matched to its graph
+        (the follower gets it once it is)."""
+        with self._lock:
+            return bool(self._for_tpu - self._tpu.keys()) or (following and bool(self._unsettled))
+
+    def latest_estimate(self) -> tuple[str, Any] | None:
+        """(graph name, estimate) of the TPU answer that came last, or None."""
+        with self._lock:
+            return next(reversed(self._tpu.values()), None)
 
     def _compiling(self) -> Any:
         """The latest compile that started and has not finished (None: none); under the lock."""

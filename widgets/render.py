@@ -238,6 +238,16 @@ def tpu_rows(v: View) -> list[tuple[str, ...]]:
             for name, e in v.tpu]
 
 
+def tpu_text(name: str, e: Any) -> str:
+    """``on the target TPU: <graph>: v5e-1: fits, ...`` (tpukit.tpu's one line)."""
+    return f"on the target TPU: {name}: {tpu.line(e)}"
+
+
+def late_tpu_line(name: str, e: Any) -> str:
+    """The line text mode prints for a TPU answer that came after the run's closing line."""
+    return f"tpukit: {tpu_text(name, e)}"
+
+
 def tpu_html(v: View) -> str:
     """Each graph compiled for the target TPU by the real TPU compiler: does it fit, how long it compiles."""
     if not v.tpu:
@@ -303,7 +313,7 @@ def text_report(v: View, runtime: Any = None, summary: bool = True) -> str:
     if v.alerts_total > len(v.alerts):
         lines.append(f"  ... {plural(v.alerts_total - len(v.alerts), 'earlier recompilation')} not shown")
     lines += [f"  {compile_text(g)}" for g in v.graphs]
-    lines += [f"  on the target TPU: {name}: {tpu.line(e)}" for name, e in v.tpu]
+    lines += [f"  {tpu_text(name, e)}" for name, e in v.tpu]
     for op, n in sorted(v.fallbacks.items(), key=lambda kv: (-kv[1], kv[0])):
         lines.append(f"  CPU fallback {op} x{n}")
     return "\n".join(lines)

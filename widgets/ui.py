@@ -125,6 +125,9 @@ class FrontEnd:
     def close(self) -> None:
         """The final render, after the threads stopped."""
 
+    def late_estimate(self) -> None:
+        """A TPU compiler's answer came after :meth:`close` (the follower's thread): show it."""
+
     def failed(self, note: str) -> None:
         """Say that the dashboard stopped (without any renderer: one may be what failed)."""
 

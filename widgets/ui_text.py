@@ -55,6 +55,12 @@ class TextFrontEnd(FrontEnd):
         self._print(render.text_line(self.state.view(), final=True))
         self.final_printed = True
 
+    def late_estimate(self) -> None:
+        """Print the answer that came after the closing line: ``tpukit: on the target TPU: <graph>: ...``."""
+        latest = self.state.latest_estimate()
+        if latest is not None:
+            self._print(render.late_tpu_line(*latest))
+
     def display(self) -> None:
         """A bare dashboard as a cell's value: one summary line, unless it was shown at open."""
         if not self.displayed:

@@ -135,6 +135,10 @@ class WidgetsFrontEnd(FrontEnd):
         """The final refresh: the widgets stay, frozen, until the report replaces them."""
         self.refresh(force=True)
 
+    def late_estimate(self) -> None:
+        """Render the frozen widgets again with the TPU answer that came after the loop ended."""
+        self.refresh(force=True, draw_plot=False)
+
     def failed(self, note: str) -> None:
         """The now line says the dashboard stopped (no renderer involved)."""
         self.live.update({"now": f"<div style='color:{render.BAD}'>{html.escape(note)}</div>"})

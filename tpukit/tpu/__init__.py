@@ -4,6 +4,8 @@
 - :func:`compile_graph` / :func:`compile_graph_async`: a graph the kit already has, for the target.
 - :func:`target` / :data:`TARGETS` / :func:`default_target`: the table of TPU slices (``TPUKIT_TARGET``).
 - :func:`bucket_costs`: the bucket advisor's costs from the target's compiler.
+- :class:`Refusal` (``TpuEstimate.refusal``): why a step does not fit, in the compiler's words (its totals
+  and its largest allocations), read by :mod:`.refusal`.
 - :func:`follow` (``tpukit.setup(target=...)``): every graph the kit records, estimated in the background
   (:func:`unfollow` stops it).
 
@@ -12,10 +14,12 @@ The parent process never imports jax or libtpu; only :mod:`._jax`, in the worker
 
 from __future__ import annotations
 
+from . import refusal
 from .estimate import BatchFit, estimate, largest_batch
 from .follow import Follower, follow, follower, line, unfollow
 from .graphs import bucket_costs, compile_graph, compile_graph_async
 from .record import Suggestion, TpuCompileError, TpuEstimate, gb
+from .refusal import Allocation, Refusal
 from .targets import TARGETS, Chip, Target, TargetError, default_target, target
 from .worker import (TpuCompilerMissingError, WorkerError, available, cache_dir, cache_info, check, require, stop, versions,
                      worker_pid)
@@ -24,5 +28,6 @@ __all__ = [
     "estimate", "largest_batch", "BatchFit", "TpuEstimate", "Suggestion", "compile_graph", "compile_graph_async",
     "bucket_costs", "target", "TARGETS", "Target", "Chip", "default_target", "available", "versions",
     "cache_dir", "cache_info", "worker_pid", "stop", "TargetError", "TpuCompileError", "TpuCompilerMissingError",
-    "WorkerError", "Follower", "follow", "follower", "unfollow", "line", "require", "gb",
+    "WorkerError", "Follower", "follow", "follower", "unfollow", "line", "require", "gb", "Refusal", "Allocation",
+    "refusal",
 ]

@@ -77,8 +77,9 @@ def handle(request: dict) -> dict:
         message = str(exc).strip()
         need, have = memory_figures(message)
         return {"error": message, "memory": is_memory_refusal(message), "required_bytes": need,
-                "limit_bytes": have, "compile_s": time.perf_counter() - start}
+                "limit_bytes": have, "compile_s": time.perf_counter() - start, "compiler": _jax.versions()}
     stats["compile_s"] = time.perf_counter() - start
+    stats["compiler"] = _jax.versions()  # the jax, jaxlib and libtpu that answered
     return stats
 
 

@@ -27,7 +27,10 @@ def line(est: TpuEstimate) -> str:
     (compute-bound)``, or the refusal."""
     if not est.fits:
         reason = (est.message or "does not fit").splitlines()[0][:160]
-        return f"{est.target}: does NOT fit ({gb(est.hbm_bytes)} of {gb(est.hbm_limit_bytes)} HBM per chip): {reason}"
+        largest = est.refusal.largest(most=1) if est.refusal else ()
+        why = f"; largest buffer {est.refusal.lines()[0]}" if largest else ""
+        return (f"{est.target}: does NOT fit ({gb(est.hbm_bytes)} of {gb(est.hbm_limit_bytes)} HBM per chip): "
+                f"{reason}{why}")
     return (f"{est.target}: fits, {gb(est.hbm_bytes)} of {gb(est.hbm_limit_bytes)} HBM per chip, TPU compile "
             f"{est.compile_s:.1f} s, step >= {est.step_s_min * 1e3:.3g} ms ({est.bound}-bound)")
 

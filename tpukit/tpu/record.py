@@ -11,6 +11,8 @@ import html
 from dataclasses import dataclass
 
 from ..errors import TpukitError
+from .compilers import describe, mismatch
+from .refusal import Refusal, parse
 from .targets import Target
 
 
@@ -49,6 +51,9 @@ class TpuEstimate:
     message: str | None = None  # the compiler's refusal
     suggestions: tuple[Suggestion, ...] = ()  # what to do when it does not fit
     note: str | None = None  # what the estimate is of, when it may not be what was meant (a forward only)
+    refusal: Refusal | None = None  # why it does not fit: the compiler's totals and largest allocations
+    compiler: str = ""  # the TPU compiler that answered: "libtpu 0.0.17 (jax 0.7.2)"
+    compiler_note: str | None = None  # set when it is not the libtpu the installed torch_xla's runtime runs
 
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) rows of the table both reprs show."""
@@ -60,12 +65,20 @@ class TpuEstimate:
             rows.append(("  arguments / outputs / aliased", f"{gb(self.arguments_bytes)} / {gb(self.outputs_bytes)}"
                                                              f" / {gb(self.aliased_bytes)}"))
             rows.append(("  temporaries / code", f"{gb(self.temp_bytes)} / {gb(self.code_bytes)}"))
-        rows.append(("TPU compile", f"{self.compile_s:.1f} s"))
+        rows.append(("TPU compile", f"{self.compile_s:.1f} s" + (f" by {self.compiler}" if self.compiler else "")))
+        if self.compiler_note:
+            rows.append(("  note", self.compiler_note))
         if self.fits:
             rows.append(("FLOPs / bytes accessed", f"{self.flops / 1e9:.1f} GFLOP / {gb(self.bytes_accessed)}"))
             rows.append(("step at best (roofline)", f"{self.step_s_min * 1e3:.2f} ms, {self.bound}-bound"))
         if self.message:
             rows.append(("compiler", self.message.splitlines()[0][:160]))
+        if self.refusal and self.refusal.reserved_bytes is not None:
+            r = self.refusal
+            rows.append(("  program / arguments / reserved", f"{gb(r.program_bytes)} / {gb(r.arguments_bytes)} / "
+                                                              f"{gb(r.reserved_bytes)}"))
+        for i, line in enumerate(self.refusal.lines() if self.refusal else ()):
+            rows.append(("why: the largest buffers" if i == 0 else "", line))
         if self.note:
             rows.append(("note", self.note))
         for s in self.suggestions:
@@ -98,12 +111,14 @@ def gb(n: float | None) -> str:
 def from_reply(reply: dict, target: Target, name: str = "step") -> TpuEstimate:
     """A :class:`TpuEstimate` from the worker's reply; a non-memory refusal raises :class:`TpuCompileError`."""
     limit = int(reply.get("limit_bytes") or target.hbm_bytes)
+    found = reply.get("compiler") or {}
+    named = {"compiler": describe(found), "compiler_note": mismatch(found)}
     if "error" in reply:
         if not reply.get("memory"):
             raise TpuCompileError(f"the TPU compiler rejected graph {name!r} for {target.name}: {reply['error']}")
         need = int(reply.get("required_bytes") or 0)
         return TpuEstimate(target.name, False, need, limit, 0, 0, 0, 0, 0, float(reply.get("compile_s", 0.0)),
-                           0.0, 0.0, 0.0, "", reply["error"])
+                           0.0, 0.0, 0.0, "", reply["error"], refusal=parse(reply["error"]), **named)
     hbm = (reply["arguments_bytes"] + reply["outputs_bytes"] + reply["temp_bytes"] + reply["code_bytes"]
            - reply["aliased_bytes"])
     chip = target.chip
@@ -112,7 +127,7 @@ def from_reply(reply: dict, target: Target, name: str = "step") -> TpuEstimate:
     return TpuEstimate(target.name, hbm <= limit, int(hbm), limit, reply["arguments_bytes"], reply["outputs_bytes"],
                        reply["aliased_bytes"], reply["temp_bytes"], reply["code_bytes"], float(reply["compile_s"]),
                        float(reply["flops"]), float(reply["bytes_accessed"]), max(compute_s, memory_s),
-                       "compute" if compute_s >= memory_s else "memory", None)
+                       "compute" if compute_s >= memory_s else "memory", None, **named)
 
 
 def refused(target: Target, message: str) -> TpuEstimate:

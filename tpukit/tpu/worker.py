@@ -263,7 +263,7 @@ def compile(request: Request) -> dict:
         reply = reply if reply is not None else shared.result()  # another request's compile of this key
         with _STATS_LOCK:
             _STATS["hits"] += 1
-        return dict(reply)
+        return _named(reply)
     try:
         reply = _compile(request, key, path)
     except BaseException as exc:
@@ -275,7 +275,13 @@ def compile(request: Request) -> dict:
     finally:
         with _INFLIGHT_LOCK:
             del _INFLIGHT[key]
-    return dict(reply)
+    return _named(reply)
+
+
+def _named(reply: dict) -> dict:
+    """A copy of ``reply`` that names the compiler that answered (an answer cached before replies named it
+    is from the versions installed here: they are part of its key)."""
+    return dict(reply, compiler=reply.get("compiler") or versions())
 
 
 def _cached(key: str, path: Path) -> dict | None:

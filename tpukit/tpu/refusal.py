@@ -1,0 +1,138 @@
+"""Why the TPU compiler refused a step: its own account of the HBM, read from its refusal.
+
+libtpu's out-of-memory refusal goes on past its first line. It splits the
+usage ("Total hbm usage >= 27.25G: reserved 258.00M, program 27.00G, arguments
+0B") and lists the program's largest allocations, each with its size, shape,
+the HLO instruction that made it, the allocation's type and, when the graph's
+metadata carries one, the source file and line of the operation::
+
+    1. Size: 16.00G
+       Operator: source_file="-" source_line=82
+       Shape: f32[524288,8192]{1,0:T(8,128)}
+       Unpadded size: 16.00G
+       XLA label: convolution_add_fusion.remat2 = fusion(...), kind=kOutput, ...
+       Allocation type: HLO temp
+
+Older phrasings name a single allocation instead ("Allocation (size=N) would
+exceed memory (size=M) :: ... [shape = 'f32[...]', ... tag = 'output of X']").
+:func:`parse` reads both into a :class:`Refusal`: plain data, kept on the
+:class:`~tpukit.tpu.record.TpuEstimate` of a refused step and shown in its text.
+Sizes in the compiler's text are binary (``G`` is GiB).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ._serve import _bytes
+
+_SIZE = r"([\d.]+)\s*([KMGT]?)i?B?"
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One buffer of the refused program, as the compiler lists it (largest first)."""
+
+    bytes: int
+    shape: str  # the HLO shape without its TPU layout, e.g. "f32[524288,8192]"
+    instruction: str  # the HLO instruction that holds it, e.g. "convolution_add_fusion.remat2"
+    kind: str  # the compiler's allocation type: "HLO temp", "Parameter", "Output", ...
+    source: str | None = None  # "file:line" of the operation, when the graph's metadata names one
+    op_name: str | None = None  # the framework's name of the operation, when the metadata has one
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The compiler's account of a step that does not fit: the totals it gives and its largest allocations."""
+
+    used_bytes: int | None  # what the program needs ("Used 27.00G of 15.75G hbm")
+    limit_bytes: int | None  # the HBM the compiler can use on the chip
+    reserved_bytes: int | None = None  # kept by the runtime beside the program
+    program_bytes: int | None = None
+    arguments_bytes: int | None = None
+    allocations: tuple[Allocation, ...] = ()
+
+    def largest(self, share: float = 0.9, most: int = 5) -> tuple[Allocation, ...]:
+        """The largest allocations, until they cover ``share`` of the listed bytes (at most ``most``)."""
+        total = sum(a.bytes for a in self.allocations)
+        out, covered = [], 0
+        for a in sorted(self.allocations, key=lambda a: -a.bytes):
+            if len(out) >= most or (total and covered >= share * total):
+                break
+            out.append(a)
+            covered += a.bytes
+        return tuple(out)
+
+    def lines(self) -> list[str]:
+        """One line per large allocation: its size, share of the program, shape, type and where it comes from."""
+        whole = self.program_bytes or self.used_bytes or sum(a.bytes for a in self.allocations) or 0
+        rows = []
+        for a in self.largest():
+            share = f" ({a.bytes / whole:.0%} of the program)" if whole else ""
+            where = a.source or a.op_name or a.instruction
+            rows.append(f"{_gib(a.bytes)}{share}: {a.shape}, {a.kind}, made by {where}")
+        return rows
+
+
+def _gib(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _strip_layout(shape: str) -> str:
+    """``f32[524288,8192]{1,0:T(8,128)}`` -> ``f32[524288,8192]``; tuples keep their elements' shapes."""
+    return re.sub(r"\{[^{}]*\}", "", re.sub(r"\{[^{}]*\{[^{}]*\}[^{}]*\}", "", shape)).strip()
+
+
+def _total(text: str, name: str) -> int | None:
+    m = re.search(rf"^\s*{name}\s+{_SIZE}\s*$", text, re.M)
+    return _bytes(m.group(1), m.group(2)) if m else None
+
+
+def _listed(text: str) -> tuple[Allocation, ...]:
+    """The entries of "Largest program allocations in hbm" (each up to its "=====" line)."""
+    start = text.find("Largest program allocations")
+    if start < 0:
+        return ()
+    out = []
+    for block in re.split(r"\n\s*\d+\.\s+Size:", text[start:])[1:]:
+        size = re.match(rf"\s*{_SIZE}", block)
+        shape = re.search(r"^\s*Shape:\s*(.+)$", block, re.M)
+        label = re.search(r"^\s*XLA label:\s*([^\s=]+)", block, re.M)
+        kind = re.search(r"^\s*Allocation type:\s*(.+?)\s*$", block, re.M)
+        operator = re.search(r"^\s*Operator:\s*(.+)$", block, re.M)
+        if not (size and shape):
+            continue
+        source = op_name = None
+        if operator:
+            f = re.search(r'source_file="([^"]*)"', operator.group(1))
+            line = re.search(r"source_line=(\d+)", operator.group(1))
+            if f and f.group(1) not in ("", "-") and line:
+                source = f"{f.group(1)}:{line.group(1)}"
+            name = re.search(r'op_name="([^"]*)"', operator.group(1))
+            op_name = name.group(1) if name and name.group(1) else None
+        out.append(Allocation(_bytes(size.group(1), size.group(2)), _strip_layout(shape.group(1)),
+                              label.group(1) if label else "?", kind.group(1) if kind else "?", source, op_name))
+    return tuple(out)
+
+
+def parse(message: str | None) -> Refusal | None:
+    """The compiler's account of an out-of-memory refusal, or None when ``message`` is not one it can read."""
+    if not message:
+        return None
+    used = re.search(rf"Used {_SIZE} of {_SIZE} hbm", message)
+    if used:
+        return Refusal(_bytes(used.group(1), used.group(2)), _bytes(used.group(3), used.group(4)),
+                       _total(message, "reserved"), _total(message, "program"), _total(message, "arguments"),
+                       _listed(message))
+    single = re.search(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)", message)
+    if single:
+        shape = re.search(r"shape = '([^']+)'", message)
+        tag = re.search(r"tag = '(?:output of )?([^'@]+)", message)
+        alloc = Allocation(int(single.group(1)), _strip_layout(shape.group(1)) if shape else "?",
+                           tag.group(1) if tag else "?", "HLO temp")
+        return Refusal(int(single.group(1)), int(single.group(2)), allocations=(alloc,))
+    return None
