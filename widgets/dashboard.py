@@ -162,7 +162,8 @@ class Dashboard:
 
     def _stop_waiting_if_done(self) -> None:
         """Once closed: stop listening when no TPU answer for this dashboard's compiles is still to come."""
-        if not self.state.awaiting_estimates(following=tpu.follower() is not None):
+        follower = tpu.follower()
+        if not self.state.awaiting_estimates(following=follower is not None and follower in events.listeners()):
             events.remove_listener(self)
 
     # ------------------------------------------------------------ the front end's thread asks
