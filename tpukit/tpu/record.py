@@ -77,7 +77,7 @@ class TpuEstimate:
             r = self.refusal
             rows.append(("  program / arguments / reserved", f"{gb(r.program_bytes)} / {gb(r.arguments_bytes)} / "
                                                               f"{gb(r.reserved_bytes)}"))
-        for i, line in enumerate(self.refusal.lines() if self.refusal else ()):
+        for i, line in enumerate(self.refusal.lines(gb) if self.refusal else ()):
             rows.append(("why: the largest buffers" if i == 0 else "", line))
         if self.note:
             rows.append(("note", self.note))

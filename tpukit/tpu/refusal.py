@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 from ._serve import _bytes
 
@@ -64,22 +65,16 @@ class Refusal:
             covered += a.bytes
         return tuple(out)
 
-    def lines(self) -> list[str]:
-        """One line per large allocation: its size, share of the program, shape, type and where it comes from."""
+    def lines(self, size: Callable[[int], str] = lambda n: f"{n} B") -> list[str]:
+        """One line per large allocation: its size (written by ``size``: the estimate's own unit), its share
+        of the program, its shape, type and where it comes from."""
         whole = self.program_bytes or self.used_bytes or sum(a.bytes for a in self.allocations) or 0
         rows = []
         for a in self.largest():
             share = f" ({a.bytes / whole:.0%} of the program)" if whole else ""
             where = a.source or a.op_name or a.instruction
-            rows.append(f"{_gib(a.bytes)}{share}: {a.shape}, {a.kind}, made by {where}")
+            rows.append(f"{size(a.bytes)}{share}: {a.shape}, {a.kind}, made by {where}")
         return rows
-
-
-def _gib(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def _strip_layout(shape: str) -> str:
