@@ -27,8 +27,8 @@ def line(est: TpuEstimate) -> str:
     (compute-bound)``, or the refusal."""
     if not est.fits:
         reason = (est.message or "does not fit").splitlines()[0][:160]
-        largest = est.refusal.largest(most=1) if est.refusal else ()
-        why = f"; largest buffer {est.refusal.lines(gb)[0]}" if largest else ""
+        buffers = est.refusal.lines(gb) if est.refusal else []
+        why = f"; largest buffer {buffers[0]}" if buffers else ""
         return (f"{est.target}: does NOT fit ({gb(est.hbm_bytes)} of {gb(est.hbm_limit_bytes)} HBM per chip): "
                 f"{reason}{why}")
     return (f"{est.target}: fits, {gb(est.hbm_bytes)} of {gb(est.hbm_limit_bytes)} HBM per chip, TPU compile "

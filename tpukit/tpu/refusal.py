@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from ._serve import _bytes
+from ._serve import _bytes, memory_figures
 
 _SIZE = r"([\d.]+)\s*([KMGT]?)i?B?"
 
@@ -114,20 +114,26 @@ def _listed(text: str) -> tuple[Allocation, ...]:
     return tuple(out)
 
 
+def _single(message: str) -> tuple[Allocation, ...]:
+    """The one allocation of the older phrasing (``Allocation (size=N) would exceed memory``), if it is that."""
+    single = re.search(r"Allocation \(size=(\d+)\) would exceed memory", message)
+    if not single:
+        return ()
+    shape = re.search(r"shape = '([^']+)'", message)
+    tag = re.search(r"tag = '(?:output of )?([^'@]+)", message)
+    return (Allocation(int(single.group(1)), _strip_layout(shape.group(1)) if shape else "?",
+                       tag.group(1) if tag else "?", "HLO temp"),)
+
+
 def parse(message: str | None) -> Refusal | None:
-    """The compiler's account of an out-of-memory refusal, or None when ``message`` is not one it can read."""
+    """The compiler's account of an out-of-memory refusal, or None when ``message`` is not one it can read.
+
+    What it needs and has come from :func:`~tpukit.tpu._serve.memory_figures` (the worker's reading of the
+    same text, every phrasing it knows); the totals and allocations from the rest of the message."""
     if not message:
         return None
-    used = re.search(rf"Used {_SIZE} of {_SIZE} hbm", message)
-    if used:
-        return Refusal(_bytes(used.group(1), used.group(2)), _bytes(used.group(3), used.group(4)),
-                       _total(message, "reserved"), _total(message, "program"), _total(message, "arguments"),
-                       _listed(message))
-    single = re.search(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)", message)
-    if single:
-        shape = re.search(r"shape = '([^']+)'", message)
-        tag = re.search(r"tag = '(?:output of )?([^'@]+)", message)
-        alloc = Allocation(int(single.group(1)), _strip_layout(shape.group(1)) if shape else "?",
-                           tag.group(1) if tag else "?", "HLO temp")
-        return Refusal(int(single.group(1)), int(single.group(2)), allocations=(alloc,))
-    return None
+    need, have = memory_figures(message)
+    if need is None:
+        return None
+    return Refusal(need, have, _total(message, "reserved"), _total(message, "program"),
+                   _total(message, "arguments"), _listed(message) or _single(message))
