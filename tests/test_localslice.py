@@ -65,3 +65,47 @@ def test_a_host_that_does_not_register_in_time_is_started_again(caplog):
         sim.shutdown()
     leftover = [p for p in psutil.Process().children(recursive=True) if p.name() in ("raylet", "gcs_server")]
     assert not leftover, leftover
+
+
+def _kill_first_runtime_env_agent(killed: list, until: float) -> None:
+    """SIGKILL the first Ray runtime-env agent this process starts (before ``until``); note its pid."""
+    me = psutil.Process()
+    while time.monotonic() < until and not killed:
+        for proc in me.children(recursive=True):
+            try:
+                if any("runtime_env/agent/main.py" in part for part in proc.cmdline()):
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed.append(proc.pid)
+                    return
+            except psutil.NoSuchProcess:
+                continue
+        time.sleep(0.02)
+
+
+def test_a_host_whose_agent_fails_is_started_again_with_fresh_ports(caplog):
+    # CI's failure: a node's runtime-env agent could not bind its port (the previous attempt's agent
+    # held it), the raylet shut down with it as it registered, and the slice ran one host short. Here
+    # the agent dies the blunt way (SIGKILL the moment it appears): the raylet fate-shares with it,
+    # before or after it registers (timing decides which; both must lead to a second start).
+    killed: list[int] = []
+    spy = threading.Thread(target=_kill_first_runtime_env_agent, args=(killed, time.monotonic() + 60), daemon=True)
+    spy.start()
+    sim = tpukit.LocalSlice("2x2", "v5e")
+    with caplog.at_level("WARNING", logger="tpukit"):
+        sim.start()
+    try:
+        spy.join()
+        assert killed, "the test never saw a runtime-env agent to kill"
+        assert "simulated host 0 of 1 did not start (" in caplog.text and "attempt 2 of 5" in caplog.text, caplog.text
+        import ray
+
+        ray.init(address=sim.address, log_to_driver=False)
+        try:
+            alive = [n for n in ray.nodes() if n["Alive"]]
+            assert len(alive) == 1 and alive[0]["Labels"]["ray.io/tpu-worker-id"] == "0", alive
+        finally:
+            ray.shutdown()
+    finally:
+        sim.shutdown()
+    leftover = [p for p in psutil.Process().children(recursive=True) if p.name() in ("raylet", "gcs_server")]
+    assert not leftover, leftover

@@ -88,6 +88,35 @@ def _stop_processes(pids: set[int]) -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
+class _NodeNotServing(Exception):
+    """A Ray node that registered but whose raylet then exited, or whose agents never served."""
+
+
+_SERVING_WAIT_S = 120.0  # the raylet gives up on its agents sooner; this only bounds a hung start
+
+
+def _wait_until_serving(node: Any) -> None:
+    """Return once ``node``'s agents have written their ports (what its raylet waits for), or raise
+    :class:`_NodeNotServing` when its raylet exits first (an agent failed and the raylet went with it)."""
+    import time
+
+    from ray._private import ray_constants
+    from ray._raylet import (DASHBOARD_AGENT_LISTEN_PORT_NAME, METRICS_AGENT_PORT_NAME, METRICS_EXPORT_PORT_NAME,
+                             RUNTIME_ENV_AGENT_PORT_NAME, get_port_filename)
+
+    names = (DASHBOARD_AGENT_LISTEN_PORT_NAME, METRICS_AGENT_PORT_NAME, METRICS_EXPORT_PORT_NAME,
+             RUNTIME_ENV_AGENT_PORT_NAME)
+    files = [os.path.join(node.get_session_dir_path(), get_port_filename(node.node_id, name)) for name in names]
+    raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
+    deadline = time.monotonic() + _SERVING_WAIT_S
+    while not all(os.path.exists(f) for f in files):
+        if raylet.poll() is not None:
+            raise _NodeNotServing(f"its raylet exited (code {raylet.returncode}) before its agents served")
+        if time.monotonic() > deadline:
+            raise _NodeNotServing(f"its agents did not serve within {_SERVING_WAIT_S:.0f} s")
+        time.sleep(0.1)
+
+
 class LocalSlice:
     """A simulated TPU slice: a local Ray cluster with one node per host of ``topology``.
 
@@ -117,10 +146,12 @@ class LocalSlice:
     def start(self) -> "LocalSlice":
         """Start the cluster's nodes, host 0 (the head) first; returns ``self``.
 
-        Ray gives a new node 30 s to register (its raylet is a new process): on a machine busy with
-        other work that can pass. A node that timed out is stopped (every process it started)
-        and started again, up to ``_START_ATTEMPTS`` times (5), saying so; the slice then has no node left
-        half-started."""
+        A node counts as started when its raylet registered with the cluster and its agents serve
+        (they wrote their ports, which is what the raylet waits for before it aborts). On a busy machine
+        either can fail: Ray gives a raylet 30 s to register, and an agent that cannot bind its port or
+        start in time takes its raylet down with it. A node that failed is stopped (every process
+        that attempt started) and started again with fresh ports, up to ``_START_ATTEMPTS`` times (5),
+        saying so; the slice then has no node left half-started."""
         if self.cluster is not None:
             return self
         try:
@@ -129,27 +160,39 @@ class LocalSlice:
             raise SliceError(f"LocalSlice needs Ray ({exc}): pip install 'tpukit[pod]'.") from None
         self.cluster = Cluster()
         for host in range(self.hosts):
-            env = self.node_env(host)
+            self._start_host(host)
+        return self
+
+    def _start_host(self, host: int) -> None:
+        """Start host ``host``'s Ray node, again on a busy machine's failures (see :meth:`start`)."""
+        env = self.node_env(host)
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            # Fresh ports each attempt: the last attempt's agent may still hold its own (its port was
+            # in use when one was started again on it, and the raylet went down with that agent).
             node = dict(num_cpus=1, resources={"TPU": self.chips_per_host}, env_vars=env, **_agent_ports())
             if host == 0:  # no dashboard UI, no autoscaler: nothing here can add nodes
                 node.update(include_dashboard=False, no_monitor=True)
-            for attempt in range(1, _START_ATTEMPTS + 1):
-                started = _child_pids()
-                try:
-                    with _node_environment(env):
-                        self.cluster.add_node(**node)
-                    break
-                except Exception as exc:
-                    _stop_processes(_child_pids() - started)  # what this attempt started, and only that
-                    if attempt < _START_ATTEMPTS and "timed out during startup" in str(exc):
-                        log.warning("tpukit.LocalSlice: simulated host %d of %d did not register with Ray in time "
-                                    "(a busy machine); starting it again (attempt %d of %d)", host, self.hosts,
-                                    attempt + 1, _START_ATTEMPTS)
-                        continue
-                    self.shutdown()
-                    raise SliceError(f"could not start simulated host {host} of {self.hosts}: {type(exc).__name__}: "
-                                     f"{exc}") from None
-        return self
+            started, workers = _child_pids(), set(self.cluster.worker_nodes)
+            try:
+                with _node_environment(env):
+                    added = self.cluster.add_node(**node)
+                _wait_until_serving(added)
+                return
+            except Exception as exc:
+                _stop_processes(_child_pids() - started)  # what this attempt started, and only that
+                if host == 0:  # the cluster's bookkeeping forgets the node that failed
+                    self.cluster.head_node = None
+                self.cluster.worker_nodes = workers
+                busy = isinstance(exc, _NodeNotServing) or "timed out during startup" in str(exc)
+                if attempt < _START_ATTEMPTS and busy:
+                    log.warning("tpukit.LocalSlice: simulated host %d of %d did not start (%s; a busy machine); "
+                                "starting it again (attempt %d of %d)", host, self.hosts,
+                                exc if isinstance(exc, _NodeNotServing) else "it did not register with Ray in time",
+                                attempt + 1, _START_ATTEMPTS)
+                    continue
+                self.shutdown()
+                raise SliceError(f"could not start simulated host {host} of {self.hosts}: {type(exc).__name__}: "
+                                 f"{exc}") from None
 
     @property
     def address(self) -> str:
