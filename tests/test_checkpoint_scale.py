@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -133,10 +134,25 @@ def test_low_host_memory_is_refused_before_anything_is_written(tmp_path, monkeyp
 
 # --------------------------------------------------------------------------- sharded SPMD states
 
+@pytest.fixture(scope="module")
+def saved_on_two(tmp_path_factory):
+    """A sharded checkpoint saved by the scenario at 2 devices, once for the module: (its folder, what the
+    saving process reported). Tests that change it work on a copy."""
+    folder = tmp_path_factory.mktemp("saved-on-two")
+    report = json.loads(_run(str(SCENARIOS / "ckpt_sharded.py"), "save", str(folder), CPU_NUM_DEVICES="2")
+                        .splitlines()[-1])
+    return folder, report
+
+
 @pytest.mark.parametrize("saved_on, restored_on", [(2, 4), (4, 2)])
-def test_sharded_checkpoint_restores_into_another_mesh_and_whole_on_plain_cpu(tmp_path, saved_on, restored_on):
+def test_sharded_checkpoint_restores_into_another_mesh_and_whole_on_plain_cpu(tmp_path, saved_on, restored_on,
+                                                                              saved_on_two):
     script = str(SCENARIOS / "ckpt_sharded.py")
-    saved = json.loads(_run(script, "save", str(tmp_path), CPU_NUM_DEVICES=str(saved_on)).splitlines()[-1])
+    if saved_on == 2:
+        shutil.copytree(saved_on_two[0], tmp_path, dirs_exist_ok=True)
+        saved = saved_on_two[1]
+    else:
+        saved = json.loads(_run(script, "save", str(tmp_path), CPU_NUM_DEVICES=str(saved_on)).splitlines()[-1])
     assert saved["devices"] == saved_on
     assert saved["chunks"]["model.0.weight"] == saved_on  # written shard by shard, never gathered
     assert sorted(os.listdir(tmp_path)) == ["ckpt-00000002.dcp", "ckpt-00000002.json"]
@@ -154,8 +170,8 @@ def test_sharded_checkpoint_restores_into_another_mesh_and_whole_on_plain_cpu(tm
     assert plain["loaded_optimizer"] == saved["optimizer"]  # a plain torch Adam takes the moments, keys and all
 
 
-def test_damaged_shard_file_is_skipped_for_the_previous_checkpoint(tmp_path):
-    _run(str(SCENARIOS / "ckpt_sharded.py"), "save", str(tmp_path), CPU_NUM_DEVICES="2")
+def test_damaged_shard_file_is_skipped_for_the_previous_checkpoint(tmp_path, saved_on_two):
+    shutil.copytree(saved_on_two[0], tmp_path, dirs_exist_ok=True)  # the scenario's save at 2 devices
     ck.save({"step": 1, "note": "older"}, tmp_path / "ckpt-00000001.pt")
     shard = tmp_path / "ckpt-00000002.dcp" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
