@@ -29,14 +29,25 @@ class Chip:
     peak_bf16_flops: float  # dense bf16 FLOP/s per chip
     hbm_bytes_per_s: float  # HBM bandwidth per chip
     source: str
+    usable_hbm_bytes: int = 0  # the HBM the TPU compiler lets a program use, per chip (0: not measured: the full HBM)
 
 
-# Public figures from Cloud TPU's system-architecture pages (checked 2026-11).
+# Public figures from Cloud TPU's system-architecture pages (checked 2026-11). usable_hbm_bytes is the TPU
+# compiler's own: measured 2026-11-28 with libtpu 0.0.17 (jax 0.7.2), compile-only, by compiling for one chip
+# of each target an MLP training step too big for it (1024-4096-1024, SGD; 1M rows on v5e, 1.5M rows on v6e
+# and v4, 6M rows on v5p) and reading the refusal's "Used X of Y hbm" (Y is written to 2 decimals of GiB):
+#   v5e-1: "Used 30.00G of 15.75G hbm", reserved 258.00M (libtpu 0.0.7.1 says 15.75G too)
+#   v6e-1: "Used 45.00G of 31.25G hbm", reserved 260.00M
+#   v5p-8: "Used 180.00G of 95.74G hbm", reserved 263.00M (more than the public 95 GiB: the compiler's figure)
+#   v4-8:  "Used 45.00G of 15.25G hbm", reserved 16.75G (half the chip's 32 GiB kept back on this
+#          compile-only topology; its check of a single allocation still allows 32 GiB: "Allocation
+#          (size=...) would exceed memory (size=34359738368)")
+# A refusal's own figure wins over these (TpuEstimate.hbm_limit_bytes); they are the limit of a step that fits.
 CHIPS = {
-    "v5e": Chip("v5e", 16 * GiB, 197e12, 819e9, "https://cloud.google.com/tpu/docs/v5e"),
-    "v6e": Chip("v6e", 32 * GiB, 918e12, 1640e9, "https://cloud.google.com/tpu/docs/v6e"),
-    "v5p": Chip("v5p", 95 * GiB, 459e12, 2765e9, "https://cloud.google.com/tpu/docs/v5p"),
-    "v4": Chip("v4", 32 * GiB, 275e12, 1228e9, "https://cloud.google.com/tpu/docs/v4"),
+    "v5e": Chip("v5e", 16 * GiB, 197e12, 819e9, "https://cloud.google.com/tpu/docs/v5e", int(15.75 * GiB)),
+    "v6e": Chip("v6e", 32 * GiB, 918e12, 1640e9, "https://cloud.google.com/tpu/docs/v6e", int(31.25 * GiB)),
+    "v5p": Chip("v5p", 95 * GiB, 459e12, 2765e9, "https://cloud.google.com/tpu/docs/v5p", int(95.74 * GiB)),
+    "v4": Chip("v4", 32 * GiB, 275e12, 1228e9, "https://cloud.google.com/tpu/docs/v4", int(15.25 * GiB)),
 }
 
 
@@ -61,6 +72,11 @@ class Target:
     def hbm_bytes(self) -> int:
         """HBM per chip."""
         return self.chip.hbm_bytes
+
+    @property
+    def usable_hbm_bytes(self) -> int:
+        """The HBM per chip the TPU compiler lets a program use (what it measures a step against)."""
+        return self.chip.usable_hbm_bytes or self.chip.hbm_bytes
 
 
 def _t(name: str, chip: str, chips: int, per_host: int, topology: str, bounds: tuple[int, int, int],
