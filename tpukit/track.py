@@ -350,7 +350,8 @@ def _tpu_rows(follower: Any, found: list, wait: float) -> list[dict] | None:
         row = {"graph": ev.name, "target": follower.target.name, "answered": est is not None,
                "pending": est is None}
         if est is not None:
-            row.update(fits=est.fits, hbm_bytes=est.hbm_bytes, hbm_limit_bytes=est.hbm_limit_bytes,
+            row.update(fits=est.fits, status=est.status, hbm_bytes=est.hbm_bytes, hbm_source=est.hbm_source,
+                       hbm_limit_bytes=est.hbm_limit_bytes,
                        compile_s=est.compile_s, step_s_min=est.step_s_min, bound=est.bound, message=est.message)
         rows.append(row)
     return rows

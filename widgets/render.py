@@ -232,7 +232,8 @@ def graphs_html(v: View) -> str:
 
 def tpu_rows(v: View) -> list[tuple[str, ...]]:
     """(graph, fits, HBM per chip of the limit, TPU compile, step floor) per graph compiled for the target."""
-    return [(name, "yes" if e.fits else "NO", f"{tpu.gb(e.hbm_bytes)} of {tpu.gb(e.hbm_limit_bytes)}",
+    return [(name, "yes" if e.fits else f"NO ({e.status})",
+             f"{tpu.gb(e.hbm_bytes)} of {tpu.gb(e.hbm_limit_bytes)}" + (f" ({e.hbm_source})" if e.fits else ""),
              f"{e.compile_s:.1f} s" if e.fits else "-",
              f"{e.step_s_min * 1e3:.3g} ms ({e.bound})" if e.fits else (e.message or "").splitlines()[0][:120])
             for name, e in v.tpu]

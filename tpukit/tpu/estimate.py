@@ -117,24 +117,27 @@ def _suggest(step: Callable, args: tuple, kwargs: dict, tgt: Target, traced: Tra
                       below=rows, steps=2)
         if fit is not None:
             b, est = fit
-            out.append(Suggestion(f"batch {b}", f"the largest batch that fits (of {rows})", est.hbm_bytes, True))
+            out.append(Suggestion(change=f"batch {b}", how=f"the largest batch that fits (of {rows})",
+                                  hbm_bytes=est.hbm_bytes, fits=True))
             k = math.ceil(rows / b)
-            out.append(Suggestion(f"accumulate {k} x {b}", f"gradient accumulation: {k} micro-batches of {b} "
-                                  f"rows, one optimizer step (about the HBM of batch {b})", est.hbm_bytes, True))
+            out.append(Suggestion(change=f"accumulate {k} x {b}",
+                                  how=f"gradient accumulation: {k} micro-batches of {b} rows, one optimizer step "
+                                      f"(about the HBM of batch {b})", hbm_bytes=est.hbm_bytes, fits=True))
     try:
         with torch.autocast("xla", dtype=torch.bfloat16):
             bf = _compile(trace(step, args, kwargs), tgt, name)
-        out.append(Suggestion("bf16 autocast", "torch.autocast('xla', dtype=torch.bfloat16) around the forward, "
-                              "or model.to(torch.bfloat16)", bf.hbm_bytes if bf.hbm_bytes else None, bf.fits))
+        out.append(Suggestion(change="bf16 autocast", how="torch.autocast('xla', dtype=torch.bfloat16) around the "
+                              "forward, or model.to(torch.bfloat16)", hbm_bytes=bf.hbm_bytes or None, fits=bf.fits))
     except Exception as exc:  # autocast may not apply to this step: say so rather than fail the estimate
-        out.append(Suggestion("bf16 autocast", f"could not be estimated ({type(exc).__name__})"))
+        out.append(Suggestion(change="bf16 autocast", how=f"could not be estimated ({type(exc).__name__})"))
     if traced.num_partitions == 1:
         wide = tgt if tgt.chips > 1 else TARGETS.get(f"{tgt.chip.name}-8", tgt)
         if wide.chips > 1:
             est = from_reply(worker.compile(worker.Request(traced.hlo, wide, 1, traced.aliases, wide.chips)),
                              wide, name)
-            out.append(Suggestion(f"FSDP over {wide.chips} chips", f"tpukit.fsdp(model, tpukit.mesh()) on {wide.name}",
-                                  est.hbm_bytes or None, est.fits))
+            out.append(Suggestion(change=f"FSDP over {wide.chips} chips",
+                                  how=f"tpukit.fsdp(model, tpukit.mesh()) on {wide.name}",
+                                  hbm_bytes=est.hbm_bytes or None, fits=est.fits))
     return tuple(out)
 
 
@@ -211,7 +214,10 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
     chip. A refused size caps the next guesses: at the geometric mean of a gap wider than 4x (so a
     slope that was wrong costs compiles, not the answer), just below the refused size otherwise
     (halfway when there is no slope). It stops at 90 % of the chip's HBM or when the gap is within
-    3 % of the batch. Sizes above 8 are multiples of 8. With ``fsdp`` the batch is split over the
+    3 % of the batch. The HBM is the estimate's ``hbm_bytes`` (the compiler's peak when it reports one,
+    which is not monotonic in the batch): a slope that is not positive doubles the size, a size that
+    fits is kept whatever its HBM, and only a refused size bounds the answer from above (the stop at
+    90 % makes it a lower bound, which :attr:`BatchFit.refused` says). Sizes above 8 are multiples of 8. With ``fsdp`` the batch is split over the
     target's chips: sizes are multiples of the chip count too, and the search starts at 8 rows per
     chip (fewer are padded to a tile, and their HBM would say nothing of a row).
     """
@@ -250,13 +256,11 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
                 guess = lo + (fill * best.hbm_limit_bytes - best.hbm_bytes) / slope
                 if fill < 0.9:  # a slope taken where the chip is nearly empty may be far off: grow 16x at most
                     guess = min(guess, 16 * lo)
-        elif hi is None:
-            guess = 2 * lo  # a second size, for a slope
+        if guess is None and hi is None:
+            guess = 2 * lo  # a second size, for a slope; or the peak did not grow (it is not monotonic): double
         if hi is not None:
             middle = math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2
             guess = middle if guess is None or (guess > middle and hi > 4 * lo) else min(guess, hi - unit)
-        elif guess is None:
-            guess = top
         guess = min(rounded(guess), top)
         if guess <= lo or (hi is not None and guess >= hi):
             break

@@ -30,14 +30,27 @@ class Suggestion:
     fits: bool | None = None
 
 
+# Where ``TpuEstimate.hbm_bytes`` comes from.
+PEAK = "compiler peak"  # the compiler's own peak of the program (its memory statistics)
+SUM = "sum of buffers"  # arguments + outputs + temporaries + code - aliased: over-states a peak it did not report
+NEED = "compiler refusal"  # what the compiler's refusal says the program needs
+UNKNOWN = "not reported"
+
+
 @dataclass(frozen=True)
 class TpuEstimate:
-    """What the TPU compiler says about one step on one target (bytes are per chip)."""
+    """What the TPU compiler says about one step on one target (bytes are per chip).
+
+    ``fits`` is the compiler's verdict: True when it compiled the step, False when it refused it (for
+    memory: ``status == "too big"``; for another reason: ``"does not compile"``). ``hbm_bytes`` is the
+    compiler's peak when it reports one, else the sum of the buffers it lists (which can exceed the
+    limit in a step that fits: buffers that are not live at once share memory); ``hbm_source`` says which.
+    """
 
     target: str
-    fits: bool
-    hbm_bytes: int  # arguments + outputs + temporaries + code - aliased
-    hbm_limit_bytes: int  # from the compiler's refusal when it says so, else the chip's HBM
+    fits: bool  # the compiler's verdict: it compiled the step
+    hbm_bytes: int  # per hbm_source: the compiler's peak, else the sum of buffers; refused: what it needs
+    hbm_limit_bytes: int  # the HBM the compiler can use: from its refusal when it says so, else the chip's figure
     arguments_bytes: int
     outputs_bytes: int
     aliased_bytes: int
@@ -54,13 +67,37 @@ class TpuEstimate:
     refusal: Refusal | None = None  # why it does not fit: the compiler's totals and largest allocations
     compiler: str = ""  # the TPU compiler that answered: "libtpu 0.0.17 (jax 0.7.2)"
     compiler_note: str | None = None  # set when it is not the libtpu the installed torch_xla's runtime runs
+    hbm_source: str = SUM  # where hbm_bytes comes from: PEAK, SUM, NEED or UNKNOWN
+    refused_for_memory: bool = False  # the compiler refused the step for lack of HBM
+
+    @property
+    def status(self) -> str:
+        """``"fits"`` (it compiled), ``"too big"`` (refused for memory) or ``"does not compile"``."""
+        if self.fits:
+            return "fits"
+        return "too big" if self.refused_for_memory else "does not compile"
+
+    @property
+    def sum_bytes(self) -> int:
+        """arguments + outputs + temporaries + code - aliased: the buffers the compiler lists, all at once."""
+        return (self.arguments_bytes + self.outputs_bytes + self.temp_bytes + self.code_bytes
+                - self.aliased_bytes)
 
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) rows of the table both reprs show."""
         pct = f" ({self.hbm_bytes / self.hbm_limit_bytes:.0%})" if self.hbm_limit_bytes and self.hbm_bytes else ""
+        verdict = {"fits": "yes", "too big": "NO (too big)"}.get(self.status, f"NO ({self.status})")
         rows = [("target", self.target),
-                ("fits", "yes" if self.fits else "NO"),
-                ("HBM per chip", f"{gb(self.hbm_bytes)} of {gb(self.hbm_limit_bytes)}{pct}")]
+                ("fits", verdict),
+                ("HBM per chip", f"{gb(self.hbm_bytes)} of {gb(self.hbm_limit_bytes)}{pct}, {self.hbm_source}"
+                 if self.hbm_source != UNKNOWN else f"? of {gb(self.hbm_limit_bytes)} (not reported)")]
+        if self.fits and self.hbm_source == SUM and self.hbm_bytes > self.hbm_limit_bytes:
+            rows.append(("  note", "the sum of buffers exceeds the usable HBM, yet the compiler fits the step: "
+                                   "buffers that are not live at once share memory"))
+        held = self.arguments_bytes + self.outputs_bytes - self.aliased_bytes
+        if self.fits and held > self.hbm_limit_bytes:
+            rows.append(("  warning", f"the arguments and outputs alone ({gb(held)}) exceed the usable HBM: "
+                                      "the compiler accepted the program, but the chip cannot hold them at once"))
         if self.fits or self.arguments_bytes:
             rows.append(("  arguments / outputs / aliased", f"{gb(self.arguments_bytes)} / {gb(self.outputs_bytes)}"
                                                              f" / {gb(self.aliased_bytes)}"))
@@ -108,28 +145,50 @@ def gb(n: float | None) -> str:
     return f"{int(n)} B"
 
 
+# The older refusal of one allocation: "Allocation (size=N) would exceed memory (size=M)", M the whole HBM.
+_WHOLE_SPACE = "would exceed memory"
+
+
 def from_reply(reply: dict, target: Target, name: str = "step") -> TpuEstimate:
-    """A :class:`TpuEstimate` from the worker's reply; a non-memory refusal raises :class:`TpuCompileError`."""
-    limit = int(reply.get("limit_bytes") or target.hbm_bytes)
+    """A :class:`TpuEstimate` from the worker's reply; a non-memory refusal raises :class:`TpuCompileError`.
+
+    The verdict is the compiler's: compiled is ``fits=True`` whatever the sum of its buffers. The limit is
+    the usable HBM its refusal names, else the chip's figure of it (:attr:`~.targets.Chip.usable_hbm_bytes`).
+    """
+    have = reply.get("limit_bytes")
+    if have and _WHOLE_SPACE in (reply.get("error") or ""):
+        have = None  # that phrasing names the memory space's whole size (a v5e's 16 GiB), not what a program may use
+    limit = int(have or target.usable_hbm_bytes)
     found = reply.get("compiler") or {}
     named = {"compiler": describe(found), "compiler_note": mismatch(found)}
     if "error" in reply:
         if not reply.get("memory"):
             raise TpuCompileError(f"the TPU compiler rejected graph {name!r} for {target.name}: {reply['error']}")
         need = int(reply.get("required_bytes") or 0)
-        return TpuEstimate(target.name, False, need, limit, 0, 0, 0, 0, 0, float(reply.get("compile_s", 0.0)),
-                           0.0, 0.0, 0.0, "", reply["error"], refusal=parse(reply["error"]), **named)
-    hbm = (reply["arguments_bytes"] + reply["outputs_bytes"] + reply["temp_bytes"] + reply["code_bytes"]
-           - reply["aliased_bytes"])
+        return TpuEstimate(target=target.name, fits=False, hbm_bytes=need, hbm_limit_bytes=limit,
+                           arguments_bytes=0, outputs_bytes=0, aliased_bytes=0, temp_bytes=0, code_bytes=0,
+                           compile_s=float(reply.get("compile_s", 0.0)), flops=0.0, bytes_accessed=0.0,
+                           step_s_min=0.0, bound="", message=reply["error"], refusal=parse(reply["error"]),
+                           hbm_source=NEED if need else UNKNOWN, refused_for_memory=True, **named)
+    total = (reply["arguments_bytes"] + reply["outputs_bytes"] + reply["temp_bytes"] + reply["code_bytes"]
+             - reply["aliased_bytes"])
+    peak = reply.get("peak_bytes")  # None from a compiler (or a cached answer) that did not report one
     chip = target.chip
     compute_s = reply["flops"] / chip.peak_bf16_flops
     memory_s = reply["bytes_accessed"] / chip.hbm_bytes_per_s
-    return TpuEstimate(target.name, hbm <= limit, int(hbm), limit, reply["arguments_bytes"], reply["outputs_bytes"],
-                       reply["aliased_bytes"], reply["temp_bytes"], reply["code_bytes"], float(reply["compile_s"]),
-                       float(reply["flops"]), float(reply["bytes_accessed"]), max(compute_s, memory_s),
-                       "compute" if compute_s >= memory_s else "memory", None, **named)
+    return TpuEstimate(target=target.name, fits=True, hbm_bytes=int(peak or total), hbm_limit_bytes=limit,
+                       arguments_bytes=reply["arguments_bytes"], outputs_bytes=reply["outputs_bytes"],
+                       aliased_bytes=reply["aliased_bytes"], temp_bytes=reply["temp_bytes"],
+                       code_bytes=reply["code_bytes"], compile_s=float(reply["compile_s"]),
+                       flops=float(reply["flops"]), bytes_accessed=float(reply["bytes_accessed"]),
+                       step_s_min=max(compute_s, memory_s), bound="compute" if compute_s >= memory_s else "memory",
+                       hbm_source=PEAK if peak else SUM, **named)
 
 
 def refused(target: Target, message: str) -> TpuEstimate:
-    """A record for a graph that could not be compiled at all (``fits=False``, the reason in ``message``)."""
-    return TpuEstimate(target.name, False, 0, target.hbm_bytes, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0.0, "", message)
+    """A record for a graph that could not be compiled at all (``fits=False``, ``status`` "does not compile",
+    the reason in ``message``)."""
+    return TpuEstimate(target=target.name, fits=False, hbm_bytes=0, hbm_limit_bytes=target.usable_hbm_bytes,
+                       arguments_bytes=0, outputs_bytes=0, aliased_bytes=0, temp_bytes=0, code_bytes=0,
+                       compile_s=0.0, flops=0.0, bytes_accessed=0.0, step_s_min=0.0, bound="", message=message,
+                       hbm_source=UNKNOWN)

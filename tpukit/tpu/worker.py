@@ -100,6 +100,11 @@ def require() -> dict[str, str]:
     return versions()
 
 
+# What a reply holds: 2 added the compiler's peak (``peak_bytes``). Part of the cache key, so answers kept
+# before a change are compiled again rather than read without the new figures.
+_REPLY_FORMAT = 2
+
+
 @dataclass(frozen=True)
 class Request:
     """One compile for the worker: an HLO module, the slice to compile it for, donation and layout."""
@@ -115,7 +120,7 @@ class Request:
         h = hashlib.sha256(self.hlo)
         settings = [self.target.topology, self.target.host_bounds, self.devices, self.num_partitions,
                     self.aliases, self.shard_over, sorted(versions().items()), sorted(self.flags.items()),
-                    os.environ.get("LIBTPU_INIT_ARGS", "")]
+                    os.environ.get("LIBTPU_INIT_ARGS", ""), _REPLY_FORMAT]
         h.update(json.dumps(settings, default=list).encode())
         return h.hexdigest()
 
