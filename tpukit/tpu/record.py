@@ -44,7 +44,8 @@ class TpuEstimate:
     ``fits`` is the compiler's verdict: True when it compiled the step, False when it refused it (for
     memory: ``status == "too big"``; for another reason: ``"does not compile"``). ``hbm_bytes`` is the
     compiler's peak when it reports one, else the sum of the buffers it lists (which can exceed the
-    limit in a step that fits: buffers that are not live at once share memory); ``hbm_source`` says which.
+    limit in a step that fits: the compiler weighs temporaries and arguments against it, not the outputs
+    beside them); ``hbm_source`` says which.
     """
 
     target: str
@@ -92,8 +93,8 @@ class TpuEstimate:
                 ("HBM per chip", f"{gb(self.hbm_bytes)} of {gb(self.hbm_limit_bytes)}{pct}, {self.hbm_source}"
                  if self.hbm_source != UNKNOWN else f"? of {gb(self.hbm_limit_bytes)} (not reported)")]
         if self.fits and self.hbm_source == SUM and self.hbm_bytes > self.hbm_limit_bytes:
-            rows.append(("  note", "the sum of buffers exceeds the usable HBM, yet the compiler fits the step: "
-                                   "buffers that are not live at once share memory"))
+            rows.append(("  note", "the sum of buffers exceeds the usable HBM, yet the compiler fits the step: it "
+                                   "weighs temporaries and arguments against the limit, and lists outputs beside"))
         held = self.arguments_bytes + self.outputs_bytes - self.aliased_bytes
         if self.fits and held > self.hbm_limit_bytes:
             rows.append(("  warning", f"the arguments and outputs alone ({gb(held)}) exceed the usable HBM: "
