@@ -118,9 +118,10 @@ def test_fits_is_the_compilers_verdict_even_when_the_sum_of_buffers_exceeds_the_
     16.91 GB (15.75 GiB) and compiles it; the kit once said "does NOT fit". (Its refusal at 106496 rows
     totals reserved + program + arguments, "Used 16.62G of 15.75G hbm", and lists "Output size 6.00G;
     shares 2.00G with arguments" beside it: up to 98304 rows, 20.94 GB of buffers, compile.)"""
-    torch.manual_seed(0)
-    with torch.device(_xla.device()):
-        model = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192, bias=False) for _ in range(8)])
+    # Uninitialized weights (skip_init): their values do not matter to the compiler, and initializing 537M
+    # parameters on XLA:CPU took the Colab stack's test minutes of CPU.
+    model = torch.nn.Sequential(*[torch.nn.utils.skip_init(torch.nn.Linear, 8192, 8192, bias=False,
+                                                           device=_xla.device()) for _ in range(8)])
     _xla.sync()  # the weights are device data: arguments of the step, not a graph inside it
     step = train_step(model, torch.optim.AdamW(model.parameters()))
     est = tpukit.estimate(step, torch.randn(73728, 8192, device=_xla.device()), target="v5e-1", suggest=False)
@@ -130,8 +131,9 @@ def test_fits_is_the_compilers_verdict_even_when_the_sum_of_buffers_exceeds_the_
     assert est.arguments_bytes + est.outputs_bytes - est.aliased_bytes < est.hbm_limit_bytes, est
     text = str(est)
     assert ("fits", "yes") in est.rows(), text
-    if est.hbm_source == "compiler peak":  # a compiler that reports its peak (libtpu 0.0.21.1): within the limit
-        assert est.hbm_bytes <= est.hbm_limit_bytes < est.sum_bytes, est
+    if est.hbm_source == "compiler peak":  # libtpu 0.0.21.1 (Colab's) reports a peak: here the sum itself
+        assert est.hbm_bytes > est.hbm_limit_bytes, est
+        assert "reported peak exceeds the usable HBM, yet the compiler fits the step" in text, text
     else:  # libtpu 0.0.17 reports none: the sum is shown, named as such, and the text says why it is over
         assert est.hbm_source == "sum of buffers" and est.hbm_bytes == est.sum_bytes, est
         assert "sum of buffers exceeds the usable HBM, yet the compiler fits the step" in text, text

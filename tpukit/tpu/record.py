@@ -92,9 +92,12 @@ class TpuEstimate:
                 ("fits", verdict),
                 ("HBM per chip", f"{gb(self.hbm_bytes)} of {gb(self.hbm_limit_bytes)}{pct}, {self.hbm_source}"
                  if self.hbm_source != UNKNOWN else f"? of {gb(self.hbm_limit_bytes)} (not reported)")]
-        if self.fits and self.hbm_source == SUM and self.hbm_bytes > self.hbm_limit_bytes:
-            rows.append(("  note", "the sum of buffers exceeds the usable HBM, yet the compiler fits the step: it "
-                                   "weighs temporaries and arguments against the limit, and lists outputs beside"))
+        if self.fits and self.hbm_source in (SUM, PEAK) and self.hbm_bytes > self.hbm_limit_bytes:
+            # libtpu 0.0.17 reports no peak (the sum is shown); 0.0.21.1 reports one equal to that sum. Either way
+            # the compiler compiled the step: its own check weighs temporaries and arguments, outputs beside.
+            rows.append(("  note", f"the {'sum of buffers' if self.hbm_source == SUM else 'reported peak'} exceeds "
+                                   "the usable HBM, yet the compiler fits the step: it weighs temporaries and "
+                                   "arguments against the limit, and lists outputs beside"))
         held = self.arguments_bytes + self.outputs_bytes - self.aliased_bytes
         if self.fits and held > self.hbm_limit_bytes:
             rows.append(("  warning", f"the arguments and outputs alone ({gb(held)}) exceed the usable HBM: "
