@@ -217,9 +217,10 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
     3 % of the batch. The HBM is the estimate's ``hbm_bytes`` (the compiler's peak when it reports one,
     which is not monotonic in the batch): a slope that is not positive doubles the size, a size that
     fits is kept whatever its HBM, and only a refused size bounds the answer from above (the stop at
-    90 % makes it a lower bound, which :attr:`BatchFit.refused` says). Sizes above 8 are multiples of 8. With ``fsdp`` the batch is split over the
-    target's chips: sizes are multiples of the chip count too, and the search starts at 8 rows per
-    chip (fewer are padded to a tile, and their HBM would say nothing of a row).
+    90 % makes it a lower bound, which :attr:`BatchFit.refused` says). Sizes above 8 are multiples
+    of 8. With ``fsdp`` the batch is split over the target's chips: sizes are multiples of the chip
+    count too, and the search starts at 8 rows per chip (fewer are padded to a tile, and their HBM
+    would say nothing of a row).
     """
     tried = [] if tried is None else tried
     chips = tgt.chips if fsdp else 1
