@@ -109,3 +109,41 @@ def test_a_host_whose_agent_fails_is_started_again_with_fresh_ports(caplog):
         sim.shutdown()
     leftover = [p for p in psutil.Process().children(recursive=True) if p.name() in ("raylet", "gcs_server")]
     assert not leftover, leftover
+
+
+def _pause_first_dashboard_agent(paused: list, seconds: float, until: float) -> None:
+    """SIGSTOP the first Ray dashboard agent this process starts for ``seconds``, then SIGCONT it; note the
+    pid of the raylet that was running beside it."""
+    me = psutil.Process()
+    while time.monotonic() < until and not paused:
+        for proc in me.children(recursive=True):
+            try:
+                if any("dashboard/agent.py" in part for part in proc.cmdline()):
+                    os.kill(proc.pid, signal.SIGSTOP)
+                    raylets = [p.pid for p in me.children(recursive=True) if p.name() == "raylet"]
+                    paused.append(raylets)
+                    time.sleep(seconds)
+                    os.kill(proc.pid, signal.SIGCONT)
+                    return
+            except psutil.NoSuchProcess:
+                continue
+        time.sleep(0.02)
+
+
+def test_a_slow_agent_does_not_take_its_raylet_down():
+    # CI's next failure: under load a dashboard agent took 40 s to import, and its raylet, which waits
+    # about 15 s for the agents' ports by default, aborted; every attempt of the host died that way. A
+    # raylet LocalSlice starts waits for its agents: here one is paused for 20 s and the same raylet serves.
+    paused: list = []
+    spy = threading.Thread(target=_pause_first_dashboard_agent, args=(paused, 20.0, time.monotonic() + 60),
+                           daemon=True)
+    spy.start()
+    sim = tpukit.LocalSlice("2x2", "v5e").start()
+    try:
+        spy.join()
+        assert paused and len(paused[0]) == 1, f"the test never paused an agent beside one raylet: {paused}"
+        raylet = psutil.Process(paused[0][0])
+        assert raylet.is_running() and raylet.status() != psutil.STATUS_ZOMBIE, "the raylet did not survive"
+        assert raylet.environ().get("RAY_raylet_start_wait_time_s") == "300"
+    finally:
+        sim.shutdown()

@@ -26,6 +26,10 @@ from .errors import SliceError
 log = logging.getLogger("tpukit")
 
 _START_ATTEMPTS = 5  # tries to start one simulated host's Ray node (see LocalSlice.start)
+# A raylet waits this long for its agents to report their ports, then aborts: Ray's default is about 15 s,
+# and on a busy 2-core machine a dashboard agent took 40 s to import (CI's runs: every attempt of a host
+# died that way). Read by the raylet from its environment (Ray's RAY_<config> convention).
+_AGENT_WAIT = ("RAY_raylet_start_wait_time_s", "300")
 
 # What this process's XLA runtime was configured with: the simulated hosts start their own.
 _NOT_INHERITED = ("PT_XLA_DEBUG", "XLA_FLAGS", "XLA_USE_SPMD", "CPU_NUM_DEVICES", "TPUKIT_REPLICA_RANK",
@@ -174,7 +178,7 @@ class LocalSlice:
                 node.update(include_dashboard=False, no_monitor=True)
             started, workers = _child_pids(), set(self.cluster.worker_nodes)
             try:
-                with _node_environment(env):
+                with _node_environment({**env, _AGENT_WAIT[0]: _AGENT_WAIT[1]}):
                     added = self.cluster.add_node(**node)
                 _wait_until_serving(added)
                 return
