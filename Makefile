@@ -147,7 +147,7 @@ test-unit: $(STAMP)
 # CI runs the unit tests in two parts, one on each of its lanes (make test-unit runs them as one): the
 # modules below, and everything else, so that a new test file is never left out.
 # In this order: the simulated slice's Ray cluster (test_pod) starts after lane 3's install of .venv-colab
-# is over (a Ray node gives its agents 15 s to start; under an install beside two lanes they missed it).
+# is over (under an install beside two lanes a Ray node's agents once took longer than its raylet waited).
 UNIT_PART1 := $(addprefix tests/test_,checkpoint_scale.py checkpoint_hardening.py tpu.py hardening.py \
 	platform.py cells.py parallel.py pod.py)
 test-unit-part1: $(STAMP)
