@@ -26,10 +26,11 @@ from .errors import SliceError
 log = logging.getLogger("tpukit")
 
 _START_ATTEMPTS = 5  # tries to start one simulated host's Ray node (see LocalSlice.start)
-# A raylet waits this long for its agents to report their ports, then aborts: Ray's default is about 15 s,
-# and on a busy 2-core machine a dashboard agent took 40 s to import (CI's runs: every attempt of a host
-# died that way). Read by the raylet from its environment (Ray's RAY_<config> convention).
-_AGENT_WAIT = ("RAY_raylet_start_wait_time_s", "300")
+# How long a simulated host's raylet waits for its agents to report their ports before it aborts, and so how
+# long a start waits for them: Ray's default is about 15 s, and on a busy 2-core machine a dashboard agent took
+# 40 s to import (CI's runs: every attempt of a host died that way). The raylet reads it from its environment
+# (Ray's RAY_<config> convention).
+_AGENT_WAIT_S = 300
 
 # What this process's XLA runtime was configured with: the simulated hosts start their own.
 _NOT_INHERITED = ("PT_XLA_DEBUG", "XLA_FLAGS", "XLA_USE_SPMD", "CPU_NUM_DEVICES", "TPUKIT_REPLICA_RANK",
@@ -96,9 +97,6 @@ class _NodeNotServing(Exception):
     """A Ray node that registered but whose raylet then exited, or whose agents never served."""
 
 
-_SERVING_WAIT_S = 120.0  # the raylet gives up on its agents sooner; this only bounds a hung start
-
-
 def _wait_until_serving(node: Any) -> None:
     """Return once ``node``'s agents have written their ports (what its raylet waits for), or raise
     :class:`_NodeNotServing` when its raylet exits first (an agent failed and the raylet went with it)."""
@@ -112,12 +110,12 @@ def _wait_until_serving(node: Any) -> None:
              RUNTIME_ENV_AGENT_PORT_NAME)
     files = [os.path.join(node.get_session_dir_path(), get_port_filename(node.node_id, name)) for name in names]
     raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
-    deadline = time.monotonic() + _SERVING_WAIT_S
+    deadline = time.monotonic() + _AGENT_WAIT_S  # the raylet's own wait: it exits first, unless it hangs
     while not all(os.path.exists(f) for f in files):
         if raylet.poll() is not None:
             raise _NodeNotServing(f"its raylet exited (code {raylet.returncode}) before its agents served")
         if time.monotonic() > deadline:
-            raise _NodeNotServing(f"its agents did not serve within {_SERVING_WAIT_S:.0f} s")
+            raise _NodeNotServing(f"its agents did not serve within {_AGENT_WAIT_S} s")
         time.sleep(0.1)
 
 
@@ -178,7 +176,7 @@ class LocalSlice:
                 node.update(include_dashboard=False, no_monitor=True)
             started, workers = _child_pids(), set(self.cluster.worker_nodes)
             try:
-                with _node_environment({**env, _AGENT_WAIT[0]: _AGENT_WAIT[1]}):
+                with _node_environment({**env, "RAY_raylet_start_wait_time_s": str(_AGENT_WAIT_S)}):
                     added = self.cluster.add_node(**node)
                 _wait_until_serving(added)
                 return
