@@ -24,36 +24,47 @@ import tpukit  # noqa: E402
 pytestmark = pytest.mark.timeout(900)
 
 
-def _stop_first_raylet(stopped: list, until: float) -> None:
-    """SIGSTOP the first raylet process this process starts (before ``until``); note its pid."""
+def _on_first(matches, act, seen: list, until: float) -> None:
+    """Watch this process's children until ``until``: on the first one ``matches(proc)`` accepts, append
+    ``act(proc)`` to ``seen`` (so the test knows it happened) and return."""
     me = psutil.Process()
-    while time.monotonic() < until and not stopped:
+    while time.monotonic() < until and not seen:
         for proc in me.children(recursive=True):
             try:
-                if proc.name() == "raylet":
-                    os.kill(proc.pid, signal.SIGSTOP)
-                    stopped.append(proc.pid)
+                if matches(proc):
+                    seen.append(act(proc))
                     return
             except psutil.NoSuchProcess:
                 continue
-        time.sleep(0.05)
+        time.sleep(0.02)
 
 
-def test_a_host_that_does_not_register_in_time_is_started_again(caplog):
-    stopped: list[int] = []
-    spy = threading.Thread(target=_stop_first_raylet, args=(stopped, time.monotonic() + 60), daemon=True)
-    spy.start()
-    sim = tpukit.LocalSlice("2x2", "v5e")  # one host: the head
-    with caplog.at_level("WARNING", logger="tpukit"):
-        sim.start()
+def _spy(matches, act) -> tuple[threading.Thread, list]:
+    """A started daemon thread running :func:`_on_first` for 60 s, and its list of what it did."""
+    seen: list = []
+    thread = threading.Thread(target=_on_first, args=(matches, act, seen, time.monotonic() + 60), daemon=True)
+    thread.start()
+    return thread, seen
+
+
+def _runs(script: str):
+    """A matcher of the Python process running ``script`` (a path inside Ray's package)."""
+    return lambda proc: any(script in part for part in proc.cmdline())
+
+
+def _signal(sig: int):
+    """An action sending ``sig`` to the process; it returns the pid."""
+    def act(proc):
+        os.kill(proc.pid, sig)
+        return proc.pid
+    return act
+
+
+def _assert_one_live_host_and_nothing_left(sim) -> None:
+    """The slice's one host is alive in Ray, with its TPU label; after shutdown no Ray process is left."""
+    import ray
+
     try:
-        spy.join()
-        assert stopped, "the test never saw a raylet to stop"
-        assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE, \
-            "the node that timed out was left running"
-        assert "did not register with Ray in time" in caplog.text and "attempt 2 of 5" in caplog.text, caplog.text
-        import ray
-
         ray.init(address=sim.address, log_to_driver=False)
         try:
             alive = [n for n in ray.nodes() if n["Alive"]]
@@ -67,19 +78,19 @@ def test_a_host_that_does_not_register_in_time_is_started_again(caplog):
     assert not leftover, leftover
 
 
-def _kill_first_runtime_env_agent(killed: list, until: float) -> None:
-    """SIGKILL the first Ray runtime-env agent this process starts (before ``until``); note its pid."""
-    me = psutil.Process()
-    while time.monotonic() < until and not killed:
-        for proc in me.children(recursive=True):
-            try:
-                if any("runtime_env/agent/main.py" in part for part in proc.cmdline()):
-                    os.kill(proc.pid, signal.SIGKILL)
-                    killed.append(proc.pid)
-                    return
-            except psutil.NoSuchProcess:
-                continue
-        time.sleep(0.02)
+def test_a_host_that_does_not_register_in_time_is_started_again(caplog):
+    spy, stopped = _spy(lambda proc: proc.name() == "raylet", _signal(signal.SIGSTOP))
+    sim = tpukit.LocalSlice("2x2", "v5e")  # one host: the head
+    with caplog.at_level("WARNING", logger="tpukit"):
+        sim.start()
+    try:
+        spy.join()
+        assert stopped, "the test never saw a raylet to stop"
+        assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE, \
+            "the node that timed out was left running"
+        assert "did not register with Ray in time" in caplog.text and "attempt 2 of 5" in caplog.text, caplog.text
+    finally:
+        _assert_one_live_host_and_nothing_left(sim)
 
 
 def test_a_host_whose_agent_fails_is_started_again_with_fresh_ports(caplog):
@@ -87,9 +98,7 @@ def test_a_host_whose_agent_fails_is_started_again_with_fresh_ports(caplog):
     # held it), the raylet shut down with it as it registered, and the slice ran one host short. Here
     # the agent dies the blunt way (SIGKILL the moment it appears): the raylet fate-shares with it,
     # before or after it registers (timing decides which; both must lead to a second start).
-    killed: list[int] = []
-    spy = threading.Thread(target=_kill_first_runtime_env_agent, args=(killed, time.monotonic() + 60), daemon=True)
-    spy.start()
+    spy, killed = _spy(_runs("runtime_env/agent/main.py"), _signal(signal.SIGKILL))
     sim = tpukit.LocalSlice("2x2", "v5e")
     with caplog.at_level("WARNING", logger="tpukit"):
         sim.start()
@@ -97,47 +106,27 @@ def test_a_host_whose_agent_fails_is_started_again_with_fresh_ports(caplog):
         spy.join()
         assert killed, "the test never saw a runtime-env agent to kill"
         assert "simulated host 0 of 1 did not start (" in caplog.text and "attempt 2 of 5" in caplog.text, caplog.text
-        import ray
-
-        ray.init(address=sim.address, log_to_driver=False)
-        try:
-            alive = [n for n in ray.nodes() if n["Alive"]]
-            assert len(alive) == 1 and alive[0]["Labels"]["ray.io/tpu-worker-id"] == "0", alive
-        finally:
-            ray.shutdown()
     finally:
-        sim.shutdown()
-    leftover = [p for p in psutil.Process().children(recursive=True) if p.name() in ("raylet", "gcs_server")]
-    assert not leftover, leftover
+        _assert_one_live_host_and_nothing_left(sim)
 
 
-def _pause_first_dashboard_agent(paused: list, seconds: float, until: float) -> None:
-    """SIGSTOP the first Ray dashboard agent this process starts for ``seconds``, then SIGCONT it; note the
-    pid of the raylet that was running beside it."""
-    me = psutil.Process()
-    while time.monotonic() < until and not paused:
-        for proc in me.children(recursive=True):
-            try:
-                if any("dashboard/agent.py" in part for part in proc.cmdline()):
-                    os.kill(proc.pid, signal.SIGSTOP)
-                    raylets = [p.pid for p in me.children(recursive=True) if p.name() == "raylet"]
-                    paused.append(raylets)
-                    time.sleep(seconds)
-                    os.kill(proc.pid, signal.SIGCONT)
-                    return
-            except psutil.NoSuchProcess:
-                continue
-        time.sleep(0.02)
+def _pause_for(seconds: float):
+    """An action pausing the process (SIGSTOP) for ``seconds``, then resuming it; it returns the pids of the
+    raylets running while it was paused."""
+    def act(proc):
+        os.kill(proc.pid, signal.SIGSTOP)
+        raylets = [p.pid for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
+        time.sleep(seconds)
+        os.kill(proc.pid, signal.SIGCONT)
+        return raylets
+    return act
 
 
 def test_a_slow_agent_does_not_take_its_raylet_down():
     # CI's next failure: under load a dashboard agent took 40 s to import, and its raylet, which waits
     # about 15 s for the agents' ports by default, aborted; every attempt of the host died that way. A
     # raylet LocalSlice starts waits for its agents: here one is paused for 20 s and the same raylet serves.
-    paused: list = []
-    spy = threading.Thread(target=_pause_first_dashboard_agent, args=(paused, 20.0, time.monotonic() + 60),
-                           daemon=True)
-    spy.start()
+    spy, paused = _spy(_runs("dashboard/agent.py"), _pause_for(20.0))
     sim = tpukit.LocalSlice("2x2", "v5e").start()
     try:
         spy.join()
@@ -146,4 +135,4 @@ def test_a_slow_agent_does_not_take_its_raylet_down():
         assert raylet.is_running() and raylet.status() != psutil.STATUS_ZOMBIE, "the raylet did not survive"
         assert raylet.environ().get("RAY_raylet_start_wait_time_s") == "300"
     finally:
-        sim.shutdown()
+        _assert_one_live_host_and_nothing_left(sim)
