@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from typing import Any, Iterator
 
 from . import hosts
@@ -100,8 +101,6 @@ class _NodeNotServing(Exception):
 def _wait_until_serving(node: Any) -> None:
     """Return once ``node``'s agents have written their ports (what its raylet waits for), or raise
     :class:`_NodeNotServing` when its raylet exits first (an agent failed and the raylet went with it)."""
-    import time
-
     from ray._private import ray_constants
     from ray._raylet import (DASHBOARD_AGENT_LISTEN_PORT_NAME, METRICS_AGENT_PORT_NAME, METRICS_EXPORT_PORT_NAME,
                              RUNTIME_ENV_AGENT_PORT_NAME, get_port_filename)

@@ -87,9 +87,8 @@ class TpuEstimate:
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) rows of the table both reprs show."""
         pct = f" ({self.hbm_bytes / self.hbm_limit_bytes:.0%})" if self.hbm_limit_bytes and self.hbm_bytes else ""
-        verdict = {"fits": "yes", "too big": "NO (too big)"}.get(self.status, f"NO ({self.status})")
         rows = [("target", self.target),
-                ("fits", verdict),
+                ("fits", "yes" if self.fits else f"NO ({self.status})"),
                 ("HBM per chip", f"{gb(self.hbm_bytes)} of {gb(self.hbm_limit_bytes)}{pct}, {self.hbm_source}"
                  if self.hbm_source != UNKNOWN else f"? of {gb(self.hbm_limit_bytes)} (not reported)")]
         if self.fits and self.hbm_source in (SUM, PEAK) and self.hbm_bytes > self.hbm_limit_bytes:
