@@ -27,10 +27,7 @@ from .errors import SliceError
 log = logging.getLogger("tpukit")
 
 _START_ATTEMPTS = 5  # tries to start one simulated host's Ray node (see LocalSlice.start)
-# How long a simulated host's raylet waits for its agents to report their ports before it aborts, and so how
-# long a start waits for them: Ray's default is about 15 s, and on a busy 2-core machine a dashboard agent took
-# 40 s to import (CI's runs: every attempt of a host died that way). The raylet reads it from its environment
-# (Ray's RAY_<config> convention).
+# How long a start waits for a node's agents to serve (its raylet alive all along) before it starts the node again.
 _AGENT_WAIT_S = 300
 
 # What this process's XLA runtime was configured with: the simulated hosts start their own.
@@ -61,10 +58,9 @@ def _child_pids() -> set[int]:
 
 
 def _agent_ports() -> dict[str, int]:
-    """Ports free now for one Ray node's agents. Given, the node's raylet does not wait for its agents
-    to choose and report theirs (Ray 2.60 gives them 15 s and aborts the raylet when they miss it, as
-    a Python agent importing on a busy machine did), and two simulated slices on one machine do not
-    both take the head's default agent port (52365)."""
+    """Ports free now for one Ray node's agents. Given, the node's agents bind these rather than choose
+    their own, and two simulated slices on one machine do not both take the head's default agent port
+    (52365)."""
     names = ("metrics_agent_port", "metrics_export_port", "dashboard_agent_listen_port", "runtime_env_agent_port")
     probes = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in names]
     try:
@@ -74,6 +70,20 @@ def _agent_ports() -> dict[str, int]:
     finally:
         for probe in probes:
             probe.close()
+
+
+def _announce_listen_port(session_dir: str, node_id: str, port: int) -> None:
+    """Write the node's dashboard-agent listen port where its raylet reads it, before the node starts.
+
+    Ray 2.60's raylet is given its agents' other ports on its command line but not this one: it waits
+    for the agent to write it, 15 s at most (no setting changes that), and aborts when the agent has not.
+    A dashboard agent took 40 s to import on a busy 2-core machine here, and every attempt of that host
+    died. The agent binds the port it is given (``--listen-port``) and writes the same number again when
+    it serves; :func:`_wait_until_serving` still waits for the ports only the agents write."""
+    from ray._raylet import DASHBOARD_AGENT_LISTEN_PORT_NAME, persist_port
+
+    os.makedirs(session_dir, exist_ok=True)
+    persist_port(session_dir, node_id, DASHBOARD_AGENT_LISTEN_PORT_NAME, port)
 
 
 def _stop_processes(pids: set[int]) -> None:
@@ -99,17 +109,16 @@ class _NodeNotServing(Exception):
 
 
 def _wait_until_serving(node: Any) -> None:
-    """Return once ``node``'s agents have written their ports (what its raylet waits for), or raise
+    """Return once ``node``'s agents have written their ports (they do once they serve), or raise
     :class:`_NodeNotServing` when its raylet exits first (an agent failed and the raylet went with it)."""
     from ray._private import ray_constants
-    from ray._raylet import (DASHBOARD_AGENT_LISTEN_PORT_NAME, METRICS_AGENT_PORT_NAME, METRICS_EXPORT_PORT_NAME,
-                             RUNTIME_ENV_AGENT_PORT_NAME, get_port_filename)
+    from ray._raylet import (METRICS_AGENT_PORT_NAME, METRICS_EXPORT_PORT_NAME, RUNTIME_ENV_AGENT_PORT_NAME,
+                             get_port_filename)
 
-    names = (DASHBOARD_AGENT_LISTEN_PORT_NAME, METRICS_AGENT_PORT_NAME, METRICS_EXPORT_PORT_NAME,
-             RUNTIME_ENV_AGENT_PORT_NAME)
+    names = (METRICS_AGENT_PORT_NAME, METRICS_EXPORT_PORT_NAME, RUNTIME_ENV_AGENT_PORT_NAME)
     files = [os.path.join(node.get_session_dir_path(), get_port_filename(node.node_id, name)) for name in names]
     raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
-    deadline = time.monotonic() + _AGENT_WAIT_S  # the raylet's own wait: it exits first, unless it hangs
+    deadline = time.monotonic() + _AGENT_WAIT_S
     while not all(os.path.exists(f) for f in files):
         if raylet.poll() is not None:
             raise _NodeNotServing(f"its raylet exited (code {raylet.returncode}) before its agents served")
@@ -148,9 +157,8 @@ class LocalSlice:
         """Start the cluster's nodes, host 0 (the head) first; returns ``self``.
 
         A node counts as started when its raylet registered with the cluster and its agents serve
-        (they wrote their ports, which is what the raylet waits for before it aborts). On a busy machine
-        either can fail: Ray gives a raylet 30 s to register, and an agent that cannot bind its port or
-        start in time takes its raylet down with it. A node that failed is stopped (every process
+        (they wrote their ports). On a busy machine either can fail: Ray gives a raylet 30 s to
+        register, and an agent that cannot bind its port takes its raylet down with it. A node that failed is stopped (every process
         that attempt started) and started again with fresh ports, up to ``_START_ATTEMPTS`` times (5),
         saying so; the slice then has no node left half-started."""
         if self.cluster is not None:
@@ -166,16 +174,29 @@ class LocalSlice:
 
     def _start_host(self, host: int) -> None:
         """Start host ``host``'s Ray node, again on a busy machine's failures (see :meth:`start`)."""
+        import ray
+        from ray._common.utils import get_default_ray_temp_dir
+
         env = self.node_env(host)
         for attempt in range(1, _START_ATTEMPTS + 1):
             # Fresh ports each attempt: the last attempt's agent may still hold its own (its port was
             # in use when one was started again on it, and the raylet went down with that agent).
-            node = dict(num_cpus=1, resources={"TPU": self.chips_per_host}, env_vars=env, **_agent_ports())
+            ports = _agent_ports()
+            node = dict(num_cpus=1, resources={"TPU": self.chips_per_host}, env_vars=env, **ports)
+            # The node's id and session folder are chosen here, so that its agent's listen port can be
+            # written before its raylet looks for it (see _announce_listen_port).
+            node_id = ray.NodeID.from_random().hex()
             if host == 0:  # no dashboard UI, no autoscaler: nothing here can add nodes
-                node.update(include_dashboard=False, no_monitor=True)
+                session_name = f"session_{time.strftime('%Y-%m-%d_%H-%M-%S')}_{os.getpid()}_{attempt}"
+                node.update(include_dashboard=False, no_monitor=True, temp_dir=get_default_ray_temp_dir(),
+                            session_name=session_name)
+                session_dir = os.path.join(node["temp_dir"], session_name)
+            else:
+                session_dir = self.cluster.head_node.get_session_dir_path()
             started, workers = _child_pids(), set(self.cluster.worker_nodes)
             try:
-                with _node_environment({**env, "RAY_raylet_start_wait_time_s": str(_AGENT_WAIT_S)}):
+                _announce_listen_port(session_dir, node_id, ports["dashboard_agent_listen_port"])
+                with _node_environment({**env, "RAY_OVERRIDE_NODE_ID_FOR_TESTING": node_id}):
                     added = self.cluster.add_node(**node)
                 _wait_until_serving(added)
                 return
