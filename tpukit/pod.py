@@ -28,6 +28,7 @@ log = logging.getLogger("tpukit")
 
 _WAIT_S = 0.5          # longest wait for a host's next message (Ctrl-C is seen at least this often)
 _CANCEL_GRACE_S = 30.0  # how long cancelled tasks get to end before the slice is released anyway
+_IDENTIFY_S = 15.0     # how long Ray's task table may take to record which node a task that died ran on
 _NODE_TASK_S = 120.0   # how long a small task on one host may take (a dead host's last output, which host a
                        # dead task ran on): a new Ray worker on a busy host takes that long. Asked only after
                        # the other hosts' tasks were cancelled.
@@ -160,7 +161,14 @@ class _Run:
         try:
             from ray.util.state import get_task
 
-            task = get_task(gen.completed(), timeout=int(_NODE_TASK_S))
+            # Ray records a task's events a moment after they happen (later on a busy machine): until
+            # then its table has no entry for it, or one without its node.
+            deadline = time.monotonic() + _IDENTIFY_S
+            while True:
+                task = get_task(gen.completed(), timeout=int(_NODE_TASK_S))
+                if (task is not None and task.node_id) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.25)
             labels = next(n.get("Labels") or {} for n in self.ray.nodes() if n.get("NodeID") == task.node_id)
             host = int(labels[hosts.WORKER_ID_LABEL])
         except Exception as exc:  # no state API, the node is gone, no label: the message says "a host"
