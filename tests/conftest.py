@@ -110,7 +110,7 @@ LANES = {
     "subprocess": ("run_python", "subprocess.run", "subprocess.Popen", "subprocess.check_output",
                    "subprocess.call", "subprocess.check_call", "launcher.launch", "tpukit.launch"),
     # libtpu's TPU compiler in its worker process (seconds to minutes per compile)
-    "compiler": ("estimate", "largest_batch", "compile_graph", "tpu.*", "tpukit.tpu.*", "target=v*"),
+    "compiler": ("estimate", "largest_batch", "compile_graph", "compare", "tpu.*", "tpukit.tpu.*", "target=v*"),
     # a local multi-node Ray cluster
     "cluster": ("LocalSlice", "run_on_slice", "ray.init"),
     # a real Jupyter kernel (jupyter_client + ipykernel)

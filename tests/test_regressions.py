@@ -20,6 +20,7 @@ import warnings
 import pytest
 import torch
 
+import estimate_steps
 from conftest import run_python
 
 import tpukit
@@ -37,23 +38,12 @@ def tpu_cache(tmp_path_factory, monkeypatch):
     return path
 
 
-def mlp(dim=16, hidden=32):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(dim, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, dim)).to(
-        _xla.device())
+def mlp():
+    return estimate_steps.mlp(16, 32)
 
 
 def train_step(model):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def step(x):
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
+    return estimate_steps.train_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
 
 
 def gpt2():

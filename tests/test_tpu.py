@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_python
+from estimate_steps import mlp, train_step
 
 tpu = pytest.importorskip("tpukit.tpu")
 if not tpu.available():  # the dev extra installs it; a bare install says how
@@ -35,25 +36,6 @@ from tpukit import _xla  # noqa: E402
 def _cache(tmp_path_factory, monkeypatch):
     """One on-disk cache for this module's tests (not the user's ~/.cache)."""
     monkeypatch.setenv("TPUKIT_TPU_CACHE", str(tmp_path_factory.getbasetemp() / "tpu-cache"))
-
-
-def mlp(dim=256, hidden=1024, dropout=0.0):
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(dim, hidden), torch.nn.ReLU()]
-    if dropout:
-        layers.append(torch.nn.Dropout(dropout))
-    return torch.nn.Sequential(*layers, torch.nn.Linear(hidden, dim)).to(_xla.device())
-
-
-def train_step(model, opt):
-    def step(x):
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
-    return step
 
 
 def n_params(model):

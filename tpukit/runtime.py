@@ -27,6 +27,7 @@ from .errors import DeviceNotFoundError, TorchXlaMissingError, TpukitWarning, Ve
 DEVICE_CHOICES = ("auto", "tpu", "cpu")
 METRIC_SAMPLES_ENV, METRIC_SAMPLES = "XLA_METRICS_SAMPLES", "64"  # set it yourself to keep more
 TARGET_ENV = "TPUKIT_TARGET"  # the TPU the user means to run on, e.g. "v5e-8" (see tpukit.tpu.TARGETS)
+COMPILER_ENV = "TPUKIT_COMPILER"  # the TPU compiler that answers, e.g. "torch_xla 2.9" (see tpukit.tpu.compilers)
 RANK_ENV = "TPUKIT_REPLICA_RANK"  # set by tpukit.launch in independent replicas, by run_on_slice on each host
 GSPMD_NOTICE = "GSPMD sharding propagation is going to be deprecated"  # XLA's C++ log at each SPMD compile (2.8/2.9)
 
@@ -226,21 +227,36 @@ def tpu_target(name: "str | tpu.Target | None" = None, ready: bool = False) -> "
     return found
 
 
-# tpukit.tpu (below the runtime) reads the target through this accessor: estimate() without target=.
+def tpu_compiler(name: "str | None" = None) -> str | None:
+    """The name of the TPU compiler that answers: ``name`` when given, else the one ``setup(compiler=...)``
+    set, else ``$TPUKIT_COMPILER``; None for the default (the libtpu the installed torch_xla's runtime loads).
+    The runtime owns it as it owns the target: ``tpukit.estimate``, ``largest_batch``, ``compile_graph`` and
+    the follower read it here (:func:`tpukit.tpu.compilers.compiler` resolves it)."""
+    if name is None:
+        rt = current()
+        name = (rt.compiler if rt is not None else None) or os.environ.get(COMPILER_ENV, "").strip() or None
+    return name
+
+
+# tpukit.tpu (below the runtime) reads the target and the compiler through these accessors: estimate() without
+# target= or compiler=.
 tpu.targets.read_default_from(tpu_target)
+tpu.compilers.read_default_from(tpu_compiler)
 
 
-def _follow(name: str | None) -> str | None:
-    """Compile every graph recorded from now on for :func:`tpu_target` ``(name)`` too; its name, or None."""
+def _follow(name: str | None, compiler: str | None = None) -> str | None:
+    """Compile every graph recorded from now on for :func:`tpu_target` ``(name)`` too, with
+    :func:`tpu_compiler` ``(compiler)``; the target's name, or None."""
     found = tpu_target(name, ready=True)
     if found is None:
         return None
-    tpu.follow(found)
+    tpu.follow(found, tpu.compilers.compiler(tpu_compiler(compiler)))
     return found.name
 
 
 def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = False,
-          compile_cache: str | bool | None = None, trace_compiles: bool = True, target: str | None = None) -> Runtime:
+          compile_cache: str | bool | None = None, trace_compiles: bool = True, target: str | None = None,
+          compiler: str | None = None) -> Runtime:
     """Detect the platform, configure and start the XLA runtime, and return its report.
 
     device: 'auto' (PJRT_DEVICE if set, else TPU if one is attached, else CPU), 'tpu' or 'cpu'.
@@ -256,6 +272,9 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
       reaches the dashboard, ``%%xla`` and ``tracker.summary()["tpu"]``; ``tpukit.estimate`` and
       ``largest_batch`` compile for it when not given ``target=``. Can be set or changed by a later
       call (:func:`tpu_target` reads it).
+    compiler: the TPU compiler that answers (``"torch_xla 2.8"``, ``"libtpu 0.0.17"``, ``"newest"``;
+      default ``$TPUKIT_COMPILER``, else the libtpu the installed torch_xla's runtime loads): the target's
+      compiles and ``tpukit.estimate`` use it. Can be set or changed by a later call (:func:`tpu_compiler`).
 
     Idempotent: later calls return the same Runtime. A setting the running runtime cannot
     take (it was started already: by an earlier ``setup()``, or before it by another call
@@ -268,12 +287,16 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
     global _STATE
     req = Request(device, cpu_devices, bool(spmd), compile_cache, bool(trace_compiles))
     _validate(req)
+    compiler = tpu.compilers.compiler(compiler).name if compiler is not None else None  # an unknown name raises
     _ipython.watch_cells()  # cell labels on IPython 7 kernels (Colab)
     with _LOCK:
         if _STATE is not None:
             rt, first = _STATE
+            if compiler is not None and compiler != rt.compiler:
+                rt = dataclasses.replace(rt, compiler=compiler, target=_follow(rt.target, compiler))
+                _STATE = (rt, first)
             if target is not None and target != rt.target:
-                rt = dataclasses.replace(rt, target=_follow(target))
+                rt = dataclasses.replace(rt, target=_follow(target, rt.compiler))
                 _STATE = (rt, first)
             if req == first or req == Request():
                 return rt
@@ -328,7 +351,8 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
             tpu_signals=env.tpu_signals,
             bf16=kind == "TPU",
             cache_note=cache_plan.note,
-            target=_follow(target),
+            target=_follow(target, compiler),
+            compiler=compiler,
         )
         if started_before:
             problems.extend(_unapplied(req, rt, only=("device", "cpu_devices"), since=since))

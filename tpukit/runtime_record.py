@@ -45,6 +45,7 @@ class Runtime:
     cache_note: str = ""
     target: str | None = None  # the TPU each graph is also compiled for (setup(target=...))
     trace_note: str = ""  # the report's words for trace_file (no machine's temp path in a saved notebook)
+    compiler: str | None = None  # the TPU compiler that answers (setup(compiler=...)); None: the default
 
     def rows(self) -> list[tuple[str, str]]:
         """The report as (label, value) rows, shared by the text and HTML renderings."""
@@ -62,7 +63,9 @@ class Runtime:
              + (f" ({cache.stats()} so far)" if self.compile_cache else "")),
             ("compile tracing", self.trace_note or self.trace_file or "off (counts only, no causes)"),
         ] + ([("target TPU", f"{self.target}: each graph is also compiled for it by the TPU compiler, "
-                             "ahead of time, off the training thread")] if self.target else [])
+                             "ahead of time, off the training thread")] if self.target else []) \
+          + ([("TPU compiler", f"{self.compiler}: it answers the target's compiles and tpukit.estimate")]
+             if self.compiler else [])
 
     def scale_note(self) -> str:
         """What this many devices can and cannot do (a single chip, e.g. Colab's v5e-1, or several)."""

@@ -6,18 +6,29 @@
 - :func:`bucket_costs`: the bucket advisor's costs from the target's compiler.
 - :class:`Refusal` (``TpuEstimate.refusal``): why a step does not fit, in the compiler's words (its totals
   and its largest allocations), read by :mod:`.refusal`.
+- :class:`MemoryBreakdown` (``TpuEstimate.memory``, ``estimate(..., memory=True)``): the HBM at the peak by
+  kind and source line, from the compiler's dump (:mod:`.dump`) or its refusal, with advice checked by a
+  compile (:mod:`.advice`).
 - :func:`follow` (``tpukit.setup(target=...)``): every graph the kit records, estimated in the background
   (:func:`unfollow` stops it).
+- :func:`compiler` / :data:`RUNTIMES` / :class:`Compiler`: which TPU compiler answers (``compiler=`` of
+  every estimate: ``"torch_xla 2.8"``, ``"libtpu 0.0.17"``, ``"newest"``; default: the installed torch_xla's),
+  each in its own environment (:mod:`.envs`) unless installed here; :func:`compare`: one step, several
+  targets and compilers, one table.
 
 The parent process never imports jax or libtpu; only :mod:`._jax`, in the worker, does.
 """
 
 from __future__ import annotations
 
-from . import refusal
+from . import advice, compilers, dump, envs, memory, refusal
+from .compare import Comparison, compare
+from .compilers import RUNTIMES, Compiler, CompilerError, compiler
+from .envs import CompilerEnvError
 from .estimate import BatchFit, estimate, largest_batch
 from .follow import Follower, follow, follower, line, unfollow
 from .graphs import bucket_costs, compile_graph, compile_graph_async
+from .memory import Buffer, MemoryBreakdown, MemoryRow
 from .record import Suggestion, TpuCompileError, TpuEstimate, gb
 from .refusal import Allocation, Refusal
 from .targets import TARGETS, Chip, Target, TargetError, default_target, target
@@ -29,5 +40,6 @@ __all__ = [
     "bucket_costs", "target", "TARGETS", "Target", "Chip", "default_target", "available", "versions",
     "cache_dir", "cache_info", "worker_pid", "stop", "TargetError", "TpuCompileError", "TpuCompilerMissingError",
     "WorkerError", "Follower", "follow", "follower", "unfollow", "line", "require", "gb", "Refusal", "Allocation",
-    "refusal",
+    "refusal", "compilers", "envs", "compiler", "Compiler", "CompilerError", "CompilerEnvError", "RUNTIMES",
+    "compare", "Comparison", "MemoryBreakdown", "MemoryRow", "Buffer", "memory", "dump", "advice",
 ]

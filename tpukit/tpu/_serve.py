@@ -60,7 +60,8 @@ def loaded_allocator() -> str | None:
 
 
 def handle(request: dict) -> dict:
-    """Serve one request: ``{"op": "compile", ...}`` -> the compiler's figures or its refusal."""
+    """Serve one request: ``{"op": "compile", ...}`` -> the compiler's figures or its refusal. A ``"dump_to"``
+    folder in the request gets the compiler's dump of that compile (:mod:`tpukit.tpu.memory` reads it)."""
     from . import _jax
 
     if request.get("op") == "check":
@@ -72,7 +73,7 @@ def handle(request: dict) -> dict:
     try:
         stats = _jax.compile_hlo(request["hlo"], devs, num_partitions=request["num_partitions"],
                                  aliases=request.get("aliases", ()), shard_over=request.get("shard_over", 1),
-                                 flags=request.get("flags") or {})
+                                 flags=request.get("flags") or {}, dump_to=request.get("dump_to"))
     except Exception as exc:  # the compiler's refusal is the answer, not a failure of the worker
         message = str(exc).strip()
         need, have = memory_figures(message)

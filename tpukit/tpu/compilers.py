@@ -15,13 +15,25 @@ libtpu 0.0.21.1 and jax 0.7.2, Kaggle's TPU image torch_xla 2.8 with libtpu
 0.0.17 (force-installed) and jax 0.7.2 (Kaggle/docker-python, ``tpu/Dockerfile``,
 ``tpu/requirements.in``). All of these pairs install from the package index and
 compile compile-only on a CPU.
+
+:func:`compiler` turns a name into the :class:`Compiler` that answers:
+``None`` (the default: the runtime's, :func:`read_default_from`: ``tpukit.setup(compiler=...)``'s,
+else ``$TPUKIT_COMPILER``; else the installed torch_xla's release), ``"torch_xla 2.8"``, ``"libtpu 0.0.17"``,
+``"newest"`` (the newest ``jax[tpu]`` on the package index) or ``"installed"`` (the
+jax and libtpu installed where tpukit runs). Each pair runs in its own environment
+(:mod:`.envs`) unless it is the one installed here.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Callable
 
 from .._xla import versions as _torch_xla
+from ..errors import TpukitError
+from . import envs
+from ._versions import versions as _installed
 
 
 @dataclass(frozen=True)
@@ -77,5 +89,127 @@ def mismatch(found: dict[str, str], release: tuple[int, int] | None = None) -> s
     if rt is None or not libtpu or _release(libtpu)[:3] == _release(rt.libtpu)[:3]:
         return None
     return (f"compiled by libtpu {libtpu}; {rt.name}'s runtime runs libtpu {rt.libtpu}, whose answer can differ "
-            f"(its answer: libtpu=={rt.libtpu} with jax=={rt.jax} where the estimate runs; on a TPU VM, "
-            f"torch_xla's runtime loads that same libtpu)")
+            f"(compiler=None or '{rt.name}' asks that one; on a TPU VM, torch_xla's runtime loads it)")
+
+
+NEWEST, INSTALLED = "newest", "installed"
+
+
+class CompilerError(TpukitError, ValueError):
+    """An unknown TPU compiler name (the message lists the known ones), or one that cannot be had here."""
+
+
+@dataclass(frozen=True)
+class Compiler:
+    """The TPU compiler that answers an estimate: a libtpu, the jax (and jaxlib) that drive it, and the name it
+    was asked by (``"torch_xla 2.8"``, ``"libtpu 0.0.17"``, ``"newest"``, ``"installed"``)."""
+
+    name: str
+    libtpu: str
+    jax: str
+    jaxlib: str = ""  # "": the same as jax
+    source: str = ""
+
+    def versions(self) -> dict[str, str]:
+        """``{"jax": ..., "jaxlib": ..., "libtpu": ...}``: what its environment has, part of every cache key."""
+        return {"jax": self.jax, "jaxlib": self.jaxlib or self.jax, "libtpu": self.libtpu}
+
+    @property
+    def label(self) -> str:
+        """``"torch_xla 2.8's compiler, libtpu 0.0.17 (jax 0.7.2)"``: the name and the pair."""
+        return f"{role(self.name)}, {describe(self.versions())}" if role(self.name) else describe(self.versions())
+
+    def __str__(self) -> str:
+        return self.label
+
+
+def role(name: str) -> str:
+    """What a compiler's name says of it, for a text: ``"torch_xla 2.8's compiler"``, ``"the newest compiler"``,
+    ``"the installed compiler"``; ``""`` for a name that is only its libtpu."""
+    if name.startswith("torch_xla"):
+        return f"{name}'s compiler"
+    return f"the {name} compiler" if name in (NEWEST, INSTALLED) else ""
+
+
+_DEFAULT: list[Callable[[], str | None]] = []
+
+
+def read_default_from(accessor: Callable[[], "str | None"]) -> None:
+    """Where :func:`compiler` reads the name asked for when none is given (``tpukit.runtime.tpu_compiler``,
+    set once at import: ``tpukit.setup(compiler=...)``, else ``$TPUKIT_COMPILER``)."""
+    _DEFAULT[:] = [accessor]
+
+
+def known() -> str:
+    """The names :func:`compiler` knows, as one sentence (for errors and docs)."""
+    releases = ", ".join(f"'{r.name}'" for r in RUNTIMES.values())
+    pinned = ", ".join(r.libtpu for r in RUNTIMES.values())
+    return (f"{releases} (the libtpu and jax its runtime loads), 'libtpu <version>' of one of them ({pinned}; "
+            f"'libtpu X jax Y' for any other pair), '{NEWEST}' (the newest jax[tpu] on the package index), "
+            f"'{INSTALLED}' (the jax and libtpu installed here), or None (the installed torch_xla's)")
+
+
+def _newest() -> Compiler:
+    found = envs.newest()
+    return Compiler(NEWEST, found["libtpu"], found["jax"], found["jaxlib"],
+                    'what pip install "jax[tpu]" installs today (the package index)')
+
+
+def _here() -> Compiler:
+    found = _installed()
+    if not (found["jax"] and found["libtpu"]):
+        raise CompilerError(f"compiler='{INSTALLED}': no jax and libtpu are installed here. Name another compiler "
+                            f"(None: the installed torch_xla's), or install them: pip install \"jax[tpu]\"")
+    return Compiler(INSTALLED, found["libtpu"], found["jax"], found["jaxlib"], "installed where tpukit runs")
+
+
+def default() -> Compiler:
+    """The compiler when none is named: the installed torch_xla's release's (:data:`RUNTIMES`), else the jax and
+    libtpu installed here, else the newest."""
+    rt = runtime()
+    if rt is not None:
+        return Compiler(rt.name, rt.libtpu, rt.jax, source=rt.source)
+    found = _installed()
+    return _here() if found["jax"] and found["libtpu"] else _newest()
+
+
+def _by_libtpu(version: str, jax: str | None, name: str) -> Compiler:
+    if jax:
+        return Compiler(f"libtpu {version} jax {jax}", version, jax, source="named by the caller")
+    for rt in RUNTIMES.values():
+        if rt.libtpu == version or _release(rt.libtpu)[:3] == _release(version)[:3] == _release(version):
+            return Compiler(f"libtpu {rt.libtpu}", rt.libtpu, rt.jax, source=rt.source)
+    found = _installed()
+    if found["libtpu"] == version and found["jax"]:
+        return Compiler(f"libtpu {version}", version, found["jax"], found["jaxlib"], "installed where tpukit runs")
+    raise CompilerError(f"unknown TPU compiler {name!r}: which jax drives libtpu {version} is not known here. "
+                        f"Name it as 'libtpu {version} jax <version>', or use one of {known()}.")
+
+
+def compiler(name: "str | Compiler | None" = None) -> Compiler:
+    """The :class:`Compiler` a name asks for (see the module doc); an unknown name raises
+    :class:`CompilerError` listing the known ones. ``"newest"`` asks the package index (once a day)."""
+    if isinstance(name, Compiler):
+        return name
+    if name is None:
+        name = _DEFAULT[0]() if _DEFAULT else None
+        if name is None:
+            return default()
+    if not isinstance(name, str):
+        raise CompilerError(f"compiler={name!r} is not a name: use one of {known()}.")
+    text = " ".join(name.strip().lower().replace("==", " ").replace("=", " ").split())
+    if text == NEWEST:
+        return _newest()
+    if text == INSTALLED:
+        return _here()
+    m = re.fullmatch(r"torch[_-]?xla ?(\d+)\.(\d+)(?:\.\d+)*", text)
+    if m:
+        rt = RUNTIMES.get((int(m.group(1)), int(m.group(2))))
+        if rt is None:
+            raise CompilerError(f"unknown TPU compiler {name!r}: tpukit knows the libtpu of these torch_xla "
+                                f"releases: {known()}.")
+        return Compiler(rt.name, rt.libtpu, rt.jax, source=rt.source)
+    m = re.fullmatch(r"libtpu ?(\d+(?:\.\d+)+)(?:[ ,+(]+jax ?(\d+(?:\.\d+)+)\)?)?", text)
+    if m:
+        return _by_libtpu(m.group(1), m.group(2), name)
+    raise CompilerError(f"unknown TPU compiler {name!r}: use one of {known()}.")

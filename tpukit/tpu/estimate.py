@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..errors import TpukitWarning
-from . import worker
+from . import advice as _advice, memory as _memory, worker
+from .compilers import Compiler, compiler as _compiler
 from .record import Suggestion, TpuEstimate, from_reply, gb
 from .targets import TARGETS, Target, TargetError, default_target, target as _target
 from .trace import Traced, retie, trace
@@ -55,12 +56,15 @@ def _resolve(target: str | Target | None) -> Target:
     return _target(target)
 
 
-def _compile(traced: Traced, tgt: Target, name: str, shard_over: int = 1) -> TpuEstimate:
+def _compile(traced: Traced, tgt: Target, name: str, shard_over: int = 1,
+             compiler: Compiler | None = None, memory: bool = False) -> TpuEstimate:
     parts = traced.num_partitions
     if parts > 1 and parts != tgt.chips:
         raise ValueError(f"the step is partitioned over {parts} devices (SPMD) but {tgt.name} has {tgt.chips} "
                          f"chips: build the mesh over {tgt.chips} devices, or pick a {parts}-chip target.")
-    reply = worker.compile(worker.Request(traced.hlo, tgt, parts, traced.aliases, shard_over))
+    if memory:  # one compile with the compiler's dump: the estimate and its breakdown
+        return _memory.estimate_with_breakdown(traced, tgt, name, shard_over, compiler)
+    reply = worker.compile(worker.Request(traced.hlo, tgt, parts, traced.aliases, shard_over, compiler))
     return from_reply(reply, tgt, name)
 
 
@@ -106,7 +110,7 @@ def _first_rows(x: Any, n: int) -> Any:
 
 
 def _suggest(step: Callable, args: tuple, kwargs: dict, tgt: Target, traced: Traced,
-             name: str) -> tuple[Suggestion, ...]:
+             name: str, compiler: Compiler | None = None) -> tuple[Suggestion, ...]:
     """Compile the step again with each change and say the per-chip HBM it gives."""
     import torch
 
@@ -114,7 +118,7 @@ def _suggest(step: Callable, args: tuple, kwargs: dict, tgt: Target, traced: Tra
     rows = _batch_rows(args, kwargs)
     if rows and rows > 1:
         fit = _search(lambda b: trace(step, _first_rows(args, b), _first_rows(kwargs, b)), tgt, name,
-                      below=rows, steps=2)
+                      below=rows, steps=2, compiler=compiler)
         if fit is not None:
             b, est = fit
             out.append(Suggestion(change=f"batch {b}", how=f"the largest batch that fits (of {rows})",
@@ -125,7 +129,7 @@ def _suggest(step: Callable, args: tuple, kwargs: dict, tgt: Target, traced: Tra
                                       f"(about the HBM of batch {b})", hbm_bytes=est.hbm_bytes, fits=True))
     try:
         with torch.autocast("xla", dtype=torch.bfloat16):
-            bf = _compile(trace(step, args, kwargs), tgt, name)
+            bf = _compile(trace(step, args, kwargs), tgt, name, compiler=compiler)
         out.append(Suggestion(change="bf16 autocast", how="torch.autocast('xla', dtype=torch.bfloat16) around the "
                               "forward, or model.to(torch.bfloat16)", hbm_bytes=bf.hbm_bytes or None, fits=bf.fits))
     except Exception as exc:  # autocast may not apply to this step: say so rather than fail the estimate
@@ -133,8 +137,8 @@ def _suggest(step: Callable, args: tuple, kwargs: dict, tgt: Target, traced: Tra
     if traced.num_partitions == 1:
         wide = tgt if tgt.chips > 1 else TARGETS.get(f"{tgt.chip.name}-8", tgt)
         if wide.chips > 1:
-            est = from_reply(worker.compile(worker.Request(traced.hlo, wide, 1, traced.aliases, wide.chips)),
-                             wide, name)
+            est = from_reply(worker.compile(worker.Request(traced.hlo, wide, 1, traced.aliases, wide.chips,
+                                                           compiler)), wide, name)
             out.append(Suggestion(change=f"FSDP over {wide.chips} chips",
                                   how=f"tpukit.fsdp(model, tpukit.mesh()) on {wide.name}",
                                   hbm_bytes=est.hbm_bytes or None, fits=est.fits))
@@ -142,7 +146,8 @@ def _suggest(step: Callable, args: tuple, kwargs: dict, tgt: Target, traced: Tra
 
 
 def estimate(step: Callable, *args: Any, target: str | Target | None = None, suggest: bool = True,
-             fsdp: bool = False, **kwargs: Any) -> TpuEstimate:
+             fsdp: bool = False, compiler: str | Compiler | None = None, memory: bool = False,
+             **kwargs: Any) -> TpuEstimate:
     """Compile ``step(*args, **kwargs)`` for a TPU with the real TPU compiler, without running it here.
 
     The step is traced lazily on the XLA device (model and batch already there),
@@ -162,18 +167,42 @@ def estimate(step: Callable, *args: Any, target: str | Target | None = None, sug
     ``.item()``, ``print(tensor)``, ``torch_xla.sync()``): a read is warned about.
     A step without a backward pass or optimizer update is estimated as a forward
     pass (``note`` says so; a warning when its model is in training mode).
+    ``compiler``: which TPU compiler answers (``"torch_xla 2.8"``, ``"libtpu 0.0.17"``, ``"newest"``;
+    default: ``tpukit.setup(compiler=...)``'s, else the libtpu the installed torch_xla's runtime loads);
+    a pair not installed here runs in its own environment, built on first use. The estimate names it.
+    ``memory``: also say why (``est.memory``, :class:`~.memory.MemoryBreakdown`): the buffers in HBM at the
+    peak by kind and source line, from the compiler's dump of this compile, with advice each checked by a
+    compile (:mod:`.advice`). A refused step always gets the breakdown its refusal gives.
     """
     tgt = _resolve(target)
-    worker.require()
-    worker.warm()  # jax and libtpu load in the worker while the step is traced here
+    comp = _compiler(compiler)
+    worker.require(comp)
+    worker.warm(comp)  # jax and libtpu load in the worker while the step is traced here
     name = _name(step)
     retie(step, args, kwargs, "tpukit.estimate")
     traced = trace(step, args, kwargs)
     note = _check(traced, name, "tpukit.estimate")
-    est = replace(_compile(traced, tgt, name, _fsdp(traced, tgt, fsdp)), note=note)
+    est = replace(_compile(traced, tgt, name, _fsdp(traced, tgt, fsdp), comp, memory), note=note)
     if not est.fits and suggest and not fsdp:
-        est = replace(est, suggestions=_suggest(step, args, kwargs, tgt, traced, name))
+        est = replace(est, suggestions=_suggest(step, args, kwargs, tgt, traced, name, comp))
+    if not est.fits and est.memory is None:
+        est = replace(est, memory=_why(est, traced, step, args, kwargs, tgt, name, comp, memory))
+    if memory and est.memory is not None:
+        est = replace(est, memory=replace(est.memory, advice=_advice.advise(
+            est.memory, step, args, kwargs, traced, tgt, name, comp)))
     return est
+
+
+def _why(est: TpuEstimate, traced: Traced, step: Callable, args: tuple, kwargs: dict, tgt: Target, name: str,
+         comp: Compiler, dump: bool) -> Any:
+    """A refused step's breakdown: its refusal's list; else (``dump``) the largest batch that fits's."""
+    why = _memory.breakdown_of_refusal(est, traced)
+    smaller = next((s for s in est.suggestions if s.change.startswith("batch ") and s.fits), None)
+    if why is None and dump and smaller is not None:
+        b = int(smaller.change.split()[1])
+        why = _memory._of_smaller_batch(est, trace(step, _first_rows(args, b), _first_rows(kwargs, b)), b, tgt,
+                                       name, comp)
+    return why
 
 
 @dataclass(frozen=True)
@@ -204,7 +233,8 @@ class BatchFit:
 
 
 def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | None = None,
-            start: int = 1, limit: int = 1 << 20, steps: int = 2, tried: list | None = None, fsdp: bool = False):
+            start: int = 1, limit: int = 1 << 20, steps: int = 2, tried: list | None = None, fsdp: bool = False,
+            compiler: Compiler | None = None):
     """(largest fitting batch, its estimate), or None if not even a batch of 1 fits.
 
     A size that fits (``start``, or half of ``below``, halved while refused) and one twice as big give
@@ -229,7 +259,7 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
 
     def at(b: int) -> TpuEstimate:
         traced = make(b)
-        est = _compile(traced, tgt, name, _fsdp(traced, tgt, fsdp))
+        est = _compile(traced, tgt, name, _fsdp(traced, tgt, fsdp), compiler)
         tried.append((b, est.fits))
         return est
 
@@ -274,7 +304,8 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
 
 
 def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str | Target | None = None, *,
-                  start: int = 8, limit: int = 1 << 20, bisect: int = 2, fsdp: bool = False) -> BatchFit:
+                  start: int = 8, limit: int = 1 << 20, bisect: int = 2, fsdp: bool = False,
+                  compiler: str | Compiler | None = None) -> BatchFit:
     """The largest batch size at which ``step(make_batch(b))`` fits on ``target``, by a few TPU compiles.
 
     ``make_batch(b)`` returns the step's arguments for a batch of ``b`` rows (a
@@ -286,10 +317,12 @@ def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str 
     compiles usually answer. ``fsdp=True``: as under ``tpukit.fsdp`` over the target's
     chips (see :func:`estimate`). Every compile is cached, so asking again is instant.
     The answer fits; :attr:`BatchFit.refused` says whether a refused size bounds it from above.
+    ``compiler``: which TPU compiler answers, as for :func:`estimate`.
     """
     tgt = _resolve(target)
-    worker.require()
-    worker.warm()
+    comp = _compiler(compiler)
+    worker.require(comp)
+    worker.warm(comp)
     name = _name(step)
     retie(step, (), {}, "tpukit.largest_batch")
     checked: list[bool] = []
@@ -305,7 +338,8 @@ def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str 
         return traced
 
     tried: list[tuple[int, bool]] = []
-    found = _search(make, tgt, name, start=start, limit=limit, steps=bisect, tried=tried, fsdp=fsdp)
+    found = _search(make, tgt, name, start=start, limit=limit, steps=bisect, tried=tried, fsdp=fsdp,
+                    compiler=comp)
     if found is None:
         return BatchFit(tgt.name, 0, None, tuple(tried))
     return BatchFit(tgt.name, found[0], found[1], tuple(tried))

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from .. import events
+from .compilers import Compiler, compiler as _compiler
 from .graphs import compile_graph_async
 from .record import TpuEstimate, gb
 from .targets import Target, target as _target
@@ -37,10 +38,12 @@ def line(est: TpuEstimate) -> str:
 
 
 class Follower:
-    """The listener that compiles each recorded graph for ``target`` (see the module doc)."""
+    """The listener that compiles each recorded graph for ``target`` with ``compiler`` (see the module doc;
+    default: the runtime's, resolved once here)."""
 
-    def __init__(self, target: str | Target):
+    def __init__(self, target: str | Target, compiler: str | Compiler | None = None):
         self.target = _target(target)
+        self.compiler = _compiler(compiler)
         self._lock = threading.Lock()
         self._by_graph: dict[str, TpuEstimate] = {}
         self._of_event: dict[int, TpuEstimate] = {}
@@ -62,7 +65,8 @@ class Follower:
         if known is not None:
             self._publish(event, known)
             return
-        future = compile_graph_async(graph.proto, self.target, graph.partitions, name=event.name)
+        future = compile_graph_async(graph.proto, self.target, graph.partitions, name=event.name,
+                                     compiler=self.compiler)
         future.add_done_callback(lambda f, key=key: self._done(key, f))
 
     def _done(self, key: str, future: Any) -> None:
@@ -112,18 +116,21 @@ _FOLLOWER: list[Follower] = []
 _LOCK = threading.Lock()
 
 
-def follow(target: str | Target | Follower) -> Follower:
-    """Compile every graph recorded from now on for ``target``; returns the (one) follower. A
-    :class:`Follower` given back (one :func:`unfollow` stopped) resumes with the answers it has."""
+def follow(target: str | Target | Follower, compiler: str | Compiler | None = None) -> Follower:
+    """Compile every graph recorded from now on for ``target`` with ``compiler`` (default: the runtime's);
+    returns the (one) follower. A :class:`Follower` given back (one :func:`unfollow` stopped) resumes with the
+    answers it has."""
     given = target if isinstance(target, Follower) else None
     tgt = given.target if given is not None else _target(target)
-    require()  # a clear error with the install line when the TPU compiler is missing
+    comp = given.compiler if given is not None else _compiler(compiler)
+    require(comp)  # a clear error with the install line when the TPU compiler is missing
     with _LOCK:
-        if _FOLLOWER and (_FOLLOWER[0] is given or (given is None and _FOLLOWER[0].target.name == tgt.name)):
+        if _FOLLOWER and (_FOLLOWER[0] is given or (given is None and _FOLLOWER[0].target.name == tgt.name
+                                                    and _FOLLOWER[0].compiler == comp)):
             return _FOLLOWER[0]
         for old in _FOLLOWER:
             events.remove_listener(old)
-        _FOLLOWER[:] = [given or Follower(tgt)]
+        _FOLLOWER[:] = [given or Follower(tgt, comp)]
     return events.add_listener(_FOLLOWER[0])
 
 

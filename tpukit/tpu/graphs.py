@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
 from . import worker
+from .compilers import Compiler, compiler as _compiler
 from .estimate import _resolve
 from .record import TpuEstimate, from_reply, refused
 from .targets import Target, target as _target
@@ -26,7 +27,7 @@ _POOL_LOCK = threading.Lock()
 
 
 def compile_graph(hlo_module_proto: bytes, target: str | Target, num_partitions: int = 1,
-                  name: str = "graph") -> TpuEstimate:
+                  name: str = "graph", compiler: str | Compiler | None = None) -> TpuEstimate:
     """Compile one HLO module (``HloModuleProto`` bytes) for ``target``; the compiler's answer as a record.
 
     Thread-safe and cached (graph hash + target + versions). Raises only for a
@@ -34,12 +35,14 @@ def compile_graph(hlo_module_proto: bytes, target: str | Target, num_partitions:
     ``TpuCompilerMissingError``, check :func:`tpukit.tpu.available` first);
     anything the compiler or its worker says comes back as ``fits=False`` with
     the reason in ``message``. Donation is not known from a bare module, so
-    ``aliased_bytes`` is what the module itself declares.
+    ``aliased_bytes`` is what the module itself declares. ``compiler``: which TPU compiler answers (see
+    :func:`tpukit.estimate`; default: the runtime's).
     """
     tgt = _target(target)
-    worker.require()
+    comp = _compiler(compiler)
+    worker.require(comp)
     try:
-        reply = worker.compile(worker.Request(bytes(hlo_module_proto), tgt, int(num_partitions)))
+        reply = worker.compile(worker.Request(bytes(hlo_module_proto), tgt, int(num_partitions), compiler=comp))
         if "error" in reply and not reply.get("memory"):
             return refused(tgt, f"the TPU compiler rejected graph {name!r}: {reply['error']}")
         return from_reply(reply, tgt, name)
@@ -51,7 +54,7 @@ def compile_graph(hlo_module_proto: bytes, target: str | Target, num_partitions:
 
 
 def compile_graph_async(hlo_module_proto: bytes, target: str | Target, num_partitions: int = 1,
-                        name: str = "graph") -> Future:
+                        name: str = "graph", compiler: str | Compiler | None = None) -> Future:
     """:func:`compile_graph` on the background thread: returns a ``Future`` of the :class:`TpuEstimate`.
 
     One background thread feeds the one worker process, so graphs are compiled in the order they come.
@@ -62,7 +65,7 @@ def compile_graph_async(hlo_module_proto: bytes, target: str | Target, num_parti
     with _POOL_LOCK:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpukit-tpu")
-    return _POOL.submit(compile_graph, hlo_module_proto, target, num_partitions, name)
+    return _POOL.submit(compile_graph, hlo_module_proto, target, num_partitions, name, compiler)
 
 
 def bucket_costs(step_for_length: Callable[[int], object], lengths: Iterable[int],

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import TpukitError
-from .compilers import describe, mismatch
+from .compilers import describe, mismatch, role
 from .refusal import Refusal, parse
 from .targets import Target
 
@@ -67,9 +68,11 @@ class TpuEstimate:
     note: str | None = None  # what the estimate is of, when it may not be what was meant (a forward only)
     refusal: Refusal | None = None  # why it does not fit: the compiler's totals and largest allocations
     compiler: str = ""  # the TPU compiler that answered: "libtpu 0.0.17 (jax 0.7.2)"
+    compiler_name: str = ""  # the name it was asked by: "torch_xla 2.8", "newest", "libtpu 0.0.17", "installed"
     compiler_note: str | None = None  # set when it is not the libtpu the installed torch_xla's runtime runs
     hbm_source: str = SUM  # where hbm_bytes comes from: PEAK, SUM, NEED or UNKNOWN
     refused_for_memory: bool = False  # the compiler refused the step for lack of HBM
+    memory: Any = None  # a tpukit.tpu.memory.MemoryBreakdown: the HBM at the peak by kind and source line
 
     @property
     def status(self) -> str:
@@ -105,7 +108,8 @@ class TpuEstimate:
             rows.append(("  arguments / outputs / aliased", f"{gb(self.arguments_bytes)} / {gb(self.outputs_bytes)}"
                                                              f" / {gb(self.aliased_bytes)}"))
             rows.append(("  temporaries / code", f"{gb(self.temp_bytes)} / {gb(self.code_bytes)}"))
-        rows.append(("TPU compile", f"{self.compile_s:.1f} s" + (f" by {self.compiler}" if self.compiler else "")))
+        by = f" by {self.compiler}" + (f", {role(self.compiler_name)}" if role(self.compiler_name) else "")
+        rows.append(("TPU compile", f"{self.compile_s:.1f} s" + (by if self.compiler else "")))
         if self.compiler_note:
             rows.append(("  note", self.compiler_note))
         if self.fits:
@@ -119,6 +123,8 @@ class TpuEstimate:
                                                               f"{gb(r.reserved_bytes)}"))
         for i, line in enumerate(self.refusal.lines(gb) if self.refusal else ()):
             rows.append(("why: the largest buffers" if i == 0 else "", line))
+        if self.memory is not None:
+            rows.extend(self.memory.summary())
         if self.note:
             rows.append(("note", self.note))
         for s in self.suggestions:
@@ -163,7 +169,8 @@ def from_reply(reply: dict, target: Target, name: str = "step") -> TpuEstimate:
         have = None  # that phrasing names the memory space's whole size (a v5e's 16 GiB), not what a program may use
     limit = int(have or target.usable_hbm_bytes)
     found = reply.get("compiler") or {}
-    named = {"compiler": describe(found), "compiler_note": mismatch(found)}
+    named = {"compiler": describe(found), "compiler_note": mismatch(found),
+             "compiler_name": reply.get("compiler_name", "")}
     if "error" in reply:
         if not reply.get("memory"):
             raise TpuCompileError(f"the TPU compiler rejected graph {name!r} for {target.name}: {reply['error']}")

@@ -2,7 +2,9 @@
 
 libtpu's out-of-memory refusal goes on past its first line. It splits the
 usage ("Total hbm usage >= 27.25G: reserved 258.00M, program 27.00G, arguments
-0B") and lists the program's largest allocations, each with its size, shape,
+0B"), gives the outputs ("Output size 6.00G; shares 2.00G with arguments") and
+the program's parts ("Program hbm requirement 30.00G: HLO temp 30.00G (...)"),
+and lists the program's largest allocations, each with its size, shape,
 the HLO instruction that made it, the allocation's type and, when the graph's
 metadata carries one, the source file and line of the operation::
 
@@ -41,6 +43,8 @@ class Allocation:
     kind: str  # the compiler's allocation type: "HLO temp", "Parameter", "Output", ...
     source: str | None = None  # "file:line" of the operation, when the graph's metadata names one
     op_name: str | None = None  # the framework's name of the operation, when the metadata has one
+    unpadded_bytes: int | None = None  # its size without the TPU layout's padding
+    parameter: int | None = None  # the entry parameter it holds ("XLA label: Arg_5.6 = parameter(5)")
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,10 @@ class Refusal:
     program_bytes: int | None = None
     arguments_bytes: int | None = None
     allocations: tuple[Allocation, ...] = ()
+    outputs_bytes: int | None = None  # "Output size 6.00G; shares 2.00G with arguments"
+    outputs_shared_bytes: int | None = None  # the part of the outputs that reuses the arguments' buffers
+    exceeded_bytes: int | None = None  # "Exceeded hbm capacity by 14.25G"
+    program_parts: tuple[tuple[str, int], ...] = ()  # "Program hbm requirement": ("HLO temp", bytes), ...
 
     def largest(self, share: float = 0.9, most: int = 5) -> tuple[Allocation, ...]:
         """The largest allocations, until they cover ``share`` of the listed bytes (at most ``most``)."""
@@ -87,6 +95,19 @@ def _total(text: str, name: str) -> int | None:
     return _bytes(m.group(1), m.group(2)) if m else None
 
 
+def _parts(text: str) -> tuple[tuple[str, int], ...]:
+    """The lines under "Program hbm requirement X:" (``HLO temp 30.00G (...)``, ...), up to the blank line."""
+    m = re.search(r"Program hbm requirement[^\n]*\n((?:[ \t]+\S[^\n]*\n?)+)", text)
+    if not m:
+        return ()
+    out = []
+    for line in m.group(1).splitlines():
+        part = re.match(rf"\s*(.+?)\s+{_SIZE}(?:\s|$)", line)
+        if part:
+            out.append((part.group(1), _bytes(part.group(2), part.group(3))))
+    return tuple(out)
+
+
 def _listed(text: str) -> tuple[Allocation, ...]:
     """The entries of "Largest program allocations in hbm" (each up to its "=====" line)."""
     start = text.find("Largest program allocations")
@@ -97,6 +118,8 @@ def _listed(text: str) -> tuple[Allocation, ...]:
         size = re.match(rf"\s*{_SIZE}", block)
         shape = re.search(r"^\s*Shape:\s*(.+)$", block, re.M)
         label = re.search(r"^\s*XLA label:\s*([^\s=]+)", block, re.M)
+        unpadded = re.search(rf"^\s*Unpadded size:\s*{_SIZE}", block, re.M)
+        param = re.search(r"^\s*XLA label:[^\n]*=\s*parameter\((\d+)\)", block, re.M)
         kind = re.search(r"^\s*Allocation type:\s*(.+?)\s*$", block, re.M)
         operator = re.search(r"^\s*Operator:\s*(.+)$", block, re.M)
         if not (size and shape):
@@ -110,7 +133,9 @@ def _listed(text: str) -> tuple[Allocation, ...]:
             name = re.search(r'op_name="([^"]*)"', operator.group(1))
             op_name = name.group(1) if name and name.group(1) else None
         out.append(Allocation(_bytes(size.group(1), size.group(2)), _strip_layout(shape.group(1)),
-                              label.group(1) if label else "?", kind.group(1) if kind else "?", source, op_name))
+                              label.group(1) if label else "?", kind.group(1) if kind else "?", source, op_name,
+                              _bytes(unpadded.group(1), unpadded.group(2)) if unpadded else None,
+                              int(param.group(1)) if param else None))
     return tuple(out)
 
 
@@ -135,5 +160,10 @@ def parse(message: str | None) -> Refusal | None:
     need, have = memory_figures(message)
     if need is None:
         return None
+    out = re.search(rf"Output size {_SIZE}; shares {_SIZE} with arguments", message)
+    over = re.search(rf"Exceeded hbm capacity by {_SIZE}", message)
     return Refusal(need, have, _total(message, "reserved"), _total(message, "program"),
-                   _total(message, "arguments"), _listed(message) or _single(message))
+                   _total(message, "arguments"), _listed(message) or _single(message),
+                   _bytes(out.group(1), out.group(2)) if out else None,
+                   _bytes(out.group(3), out.group(4)) if out else None,
+                   _bytes(over.group(1), over.group(2)) if over else None, _parts(message))

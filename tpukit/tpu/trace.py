@@ -12,16 +12,30 @@ is the same graph it would have been.
 from __future__ import annotations
 
 import inspect
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from .. import _tree, _xla, metrics
 from .._xla import hlo as _hlo
 
+# What a buffer of the step holds (tpukit.tpu.memory groups the HBM at the peak by these).
+PARAMETERS = "parameters"  # the models' parameters and buffers
+GRADIENTS = "gradients"
+OPTIMIZER = "optimizer state"
+ACTIVATIONS = "activations kept for backward"
+TEMPORARIES = "temporaries"
+INPUTS = "inputs"  # the batch, and any other data the step reads
+OUTPUTS = "outputs"  # what the step returns (its loss)
+SCOPE = "module."  # the prefix of a module's op-name scope in the HLO's metadata: "module.layers.0.3/..."
+
 
 @dataclass(frozen=True)
 class Traced:
-    """A step's graph: the HLO module, the (parameter, output) pairs torch_xla donates, its partitions."""
+    """A step's graph: the HLO module, the (parameter, output) pairs torch_xla donates, its partitions, and
+    what each parameter and output of the graph is: (kind, name), e.g. ("parameters", "layers.0.qkv.weight"),
+    ("optimizer state", "exp_avg of layers.0.qkv.weight"), ("inputs", "x")."""
 
     hlo: bytes
     aliases: tuple[tuple[int, int], ...]
@@ -30,6 +44,8 @@ class Traced:
     reads: int = 0  # values the step read from the device while traced (.item(), print, a Python if on one)
     trains: bool | None = None  # it made a gradient or updated a parameter (None: no model or optimizer found)
     train_mode: bool = False  # a model it uses is in training mode (model.train())
+    inputs: tuple[tuple[str, str], ...] = ()  # (kind, name) of each parameter of the HLO module, in order
+    results: tuple[tuple[str, str], ...] = ()  # (kind, name) of each output
 
 
 def _owners(step: Callable, args: tuple, kwargs: dict) -> tuple[list, list, list]:
@@ -87,6 +103,81 @@ def _state_tensors(mods: list, opts: list) -> list:
                 if isinstance(v, torch.Tensor):
                     found.setdefault(id(v), v)
     return list(found.values())
+
+
+def _named(mods: list, opts: list) -> dict[int, tuple[str, str]]:
+    """id(tensor) -> (kind, name) for every tensor of the state: parameters and buffers (by their module
+    path), their gradients, the optimizer's per-parameter state ("exp_avg of 0.weight")."""
+    import torch
+
+    found: dict[int, tuple[str, str]] = {}
+    names: dict[int, str] = {}
+    for m in mods:
+        for n, t in list(m.named_parameters()) + list(m.named_buffers()):
+            names.setdefault(id(t), n)
+            found.setdefault(id(t), (PARAMETERS, n))
+            if t.grad is not None:
+                found.setdefault(id(t.grad), (GRADIENTS, n))
+    for o in opts:
+        for g in o.param_groups:
+            for p in g["params"]:
+                found.setdefault(id(p), (PARAMETERS, names.get(id(p), "")))
+                if p.grad is not None:
+                    found.setdefault(id(p.grad), (GRADIENTS, names.get(id(p), "")))
+        for p, st in o.state.items():
+            for k, v in st.items():
+                if isinstance(v, torch.Tensor):
+                    found.setdefault(id(v), (OPTIMIZER, f"{k} of {names.get(id(p), 'a parameter')}"))
+    return found
+
+
+def _arguments(step: Callable, args: tuple, kwargs: dict) -> list[tuple[Any, str]]:
+    """The step's tensor arguments with their names (the step's own parameter names when it has a signature)."""
+    try:
+        bound = inspect.signature(step).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        bound = {**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs}
+    out, stack = [], [(v, k) for k, v in bound.items()]
+    while stack:
+        x, n = stack.pop()
+        if _xla.is_xla_tensor(x):
+            out.append((x, n))
+        elif isinstance(x, dict):
+            stack.extend((v, f"{n}[{k!r}]") for k, v in x.items())
+        elif isinstance(x, (list, tuple)):
+            stack.extend((v, f"{n}[{i}]") for i, v in enumerate(x))
+    return out
+
+
+@contextmanager
+def _module_scopes(mods: list) -> Iterator[None]:
+    """While tracing, each module's forward is an op-name scope of its path ("module.layers.0"): the HLO's
+    metadata then says which module made an operation that library code (nn.Linear's forward) traced."""
+    import torch
+
+    paths = {id(sub): path for m in mods for path, sub in m.named_modules() if path}
+    if not paths:
+        yield
+        return
+    open_scopes: list = []
+    tracing = threading.get_ident()  # the hooks are global: another thread's forwards are not this trace's
+
+    def enter(mod: Any, _args: Any) -> None:
+        if id(mod) in paths and threading.get_ident() == tracing:
+            open_scopes.append(_hlo.scope(SCOPE + paths[id(mod)]))
+
+    def leave(mod: Any, _args: Any, _out: Any) -> None:
+        if id(mod) in paths and open_scopes and threading.get_ident() == tracing:
+            open_scopes.pop()
+
+    hooks = [torch.nn.modules.module.register_module_forward_pre_hook(enter),
+             torch.nn.modules.module.register_module_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        open_scopes.clear()  # a forward that raised leaves its scopes: deleting them closes them
 
 
 def _output_tensors(out: Any) -> list:
@@ -185,22 +276,34 @@ def trace(step: Callable, args: tuple, kwargs: dict) -> Traced:
     # Launched executions must finish first: until then a tensor's buffer is a placeholder whose handle
     # changes when it is filled, and donation is matched by handle. (Runs nothing new.)
     _xla.wait_device_ops()
+    named = _named(mods, opts)
+    batch = _arguments(step, args, kwargs)
     saved = _Saved(mods, opts, scheds)
     try:
         before = metrics.snapshot()
-        out = step(*args, **kwargs)
-        read = metrics.snapshot() - before
-        after = _state_tensors(mods, opts)
-        outs: dict[int, Any] = {}
-        for t in after + _output_tensors(out):
-            if _xla.is_xla_tensor(t):
-                outs.setdefault(id(t), t)
-        tensors = [t for t, p in zip(outs.values(), _xla.has_pending(list(outs.values()))) if p]
-        if not tensors:
-            raise ValueError("the step computed nothing on the XLA device: it updates no parameter and returns "
-                             "no XLA tensor (move the model and the batch to tpukit's device first).")
-        hlo = _hlo.hlo_module_proto(tensors)
+        # Each operation's Python source line and module in the HLO's metadata (the compiler's dump and
+        # refusal name them: tpukit.tpu.memory).
+        with _hlo.source_metadata():
+            with _module_scopes(mods):
+                out = step(*args, **kwargs)
+            read = metrics.snapshot() - before
+            after = _state_tensors(mods, opts)
+            outs: dict[int, Any] = {}
+            for t in after + _output_tensors(out):
+                if _xla.is_xla_tensor(t):
+                    outs.setdefault(id(t), t)
+            tensors = [t for t, p in zip(outs.values(), _xla.has_pending(list(outs.values()))) if p]
+            if not tensors:
+                raise ValueError("the step computed nothing on the XLA device: it updates no parameter and "
+                                 "returns no XLA tensor (move the model and the batch to tpukit's device first).")
+            hlo = _hlo.stable_metadata(_hlo.hlo_module_proto(tensors))  # the same bytes for the same step
         params = _hlo.parameter_handles(tensors)
+        by_handle = {saved.handles[i]: kind for i, kind in named.items() if i in saved.handles}
+        for t, n in batch:
+            if not _xla.has_pending([t])[0]:
+                by_handle.update({h: (INPUTS, n) for h in _hlo.parameter_handles([t])})
+        ended = _named(mods, opts)  # after the step: its new optimizer state, the gradients it kept
+        results = tuple(ended.get(id(t), (OUTPUTS, "")) for t in tensors)
         where = {h: i for i, h in enumerate(params)}
         aliases = tuple((where[saved.handles[id(t)]], i) for i, t in enumerate(tensors)
                         if id(t) in saved.handles and saved.handles[id(t)] in where)
@@ -209,6 +312,6 @@ def trace(step: Callable, args: tuple, kwargs: dict) -> Traced:
         trains = (any(id(p) in updated or (p.grad is not None and (p.grad is not g or id(p.grad) in updated))
                       for p, g in saved.grads) if saved.grads else None)
         return Traced(hlo, aliases, parts, len(tensors), max(read.item_reads, read.to_host), trains,
-                      any(m.training for m in mods))
+                      any(m.training for m in mods), tuple(by_handle.get(h, (INPUTS, "")) for h in params), results)
     finally:
         saved.restore()

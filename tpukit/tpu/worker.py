@@ -1,12 +1,16 @@
-"""The parent's side of the TPU compiler's worker process, and the cache of its answers.
+"""The parent's side of the TPU compiler's worker processes, and the cache of their answers.
 
 libtpu never loads into the process that runs torch_xla: one worker process
-per Python process holds jax's compile-only TPU client and answers one request
-at a time (:mod:`tpukit.tpu._serve`). It starts on first use, is restarted if
-it dies, and stops when this process exits. Answers are cached by
-sha256(HLO bytes) + target + compile settings + jax/jaxlib/libtpu versions, in
-memory and on disk under ``~/.cache/tpukit/tpu`` (``TPUKIT_TPU_CACHE``
-overrides), so the same graph is compiled for a target once.
+per compiler (:class:`~.compilers.Compiler`: a jax/libtpu pair) holds jax's
+compile-only TPU client and answers one request at a time
+(:mod:`tpukit.tpu._serve`). It runs the Python of that compiler's environment
+(:mod:`.envs`: this one's when the pair is installed here, else its own, built
+on first use). It starts on first use, is restarted if it dies, and stops when
+this process exits. Answers are cached by sha256(HLO bytes) + target + compile
+settings + the answering compiler's jax/jaxlib/libtpu versions, in memory and on
+disk under ``~/.cache/tpukit/tpu`` (``TPUKIT_TPU_CACHE`` overrides), so the same
+graph is compiled for a target once per compiler and answers of two compilers
+never mix.
 
 The worker's stderr (libtpu's warnings) goes to ``worker.log`` there. libtpu's
 own log files, a new one in ``/tmp/tpu_logs`` for every start, are off
@@ -28,12 +32,13 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from ..errors import TpukitError
+from . import envs
 from ._versions import versions
+from .compilers import Compiler, compiler as _compiler
 from .flags import compile_flags
 from .targets import Target
 
@@ -89,15 +94,20 @@ def available() -> bool:
     return bool(v["jaxlib"] and v["libtpu"]) and importlib.util.find_spec("jax") is not None
 
 
-def require() -> dict[str, str]:
-    """The versions, or :class:`TpuCompilerMissingError` with the install line."""
+def require(compiler: "str | Compiler | None" = None) -> dict[str, str]:
+    """The versions of the compiler that will answer (default: the runtime's, :func:`~.compilers.compiler`).
+    One installed here must be complete, else :class:`TpuCompilerMissingError` with the install line; any
+    other pair gets its own environment on first use (:mod:`.envs`)."""
+    found = _compiler(compiler).versions()
+    if not envs.is_installed(found):
+        return found
     if not available():
         v = versions()
         missing = [d for d in ("jax", "jaxlib", "libtpu") if not v[d]] or ["jax"]
         raise TpuCompilerMissingError(
             f"tpukit's TPU estimates need the TPU compiler ({', '.join(missing)} not installed). "
             f"Install it with: {INSTALL}")
-    return versions()
+    return found
 
 
 # What a reply holds: 2 added the compiler's peak (``peak_bytes``). Part of the cache key, so answers kept
@@ -114,12 +124,17 @@ class Request:
     num_partitions: int = 1
     aliases: tuple[tuple[int, int], ...] = ()
     shard_over: int = 1  # impose an FSDP layout over this many chips (1: the module's own shardings)
+    compiler: Compiler | None = None  # the compiler to answer (None: the default, resolved by compile())
+
+    def versions(self) -> dict[str, str]:
+        """The jax, jaxlib and libtpu that answer: the compiler's (without one, those installed here)."""
+        return self.compiler.versions() if self.compiler is not None else versions()
 
     def key(self) -> str:
         """The cache key: the graph, the compile settings, the compiler's flags and versions."""
         h = hashlib.sha256(self.hlo)
         settings = [self.target.topology, self.target.host_bounds, self.devices, self.num_partitions,
-                    self.aliases, self.shard_over, sorted(versions().items()), sorted(self.flags.items()),
+                    self.aliases, self.shard_over, sorted(self.versions().items()), sorted(self.flags.items()),
                     os.environ.get("LIBTPU_INIT_ARGS", ""), _REPLY_FORMAT]
         h.update(json.dumps(settings, default=list).encode())
         return h.hexdigest()
@@ -141,25 +156,37 @@ class Request:
 
 
 class _Process:
-    """The worker process; ``call`` sends one request and waits for its reply (one at a time)."""
+    """One compiler's worker process; ``call`` sends one request and waits for its reply (one at a time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, found: dict[str, str] | None = None, label: str = "") -> None:
         self.lock = threading.Lock()
         self.proc: subprocess.Popen | None = None
         self.libtpu_args: str | None = None  # the LIBTPU_INIT_ARGS the running worker's libtpu read
+        self.found = found  # the compiler's versions (None: those installed here)
+        self.label = label  # its name, for the progress lines of a first build
+
+    @property
+    def log_path(self) -> Path:
+        """The worker's stderr: ``worker.log``, ``worker-<libtpu>-<jax>.log`` for a compiler of its own env."""
+        own = self.found is not None and not envs.is_installed(self.found)
+        return cache_dir() / (f"worker-{envs.key(self.found)}.log" if own else "worker.log")
 
     def _start(self) -> subprocess.Popen:
+        python = envs.python(self.found, self.label) if self.found is not None else sys.executable
         here = str(Path(__file__).resolve().parent)
         root = str(Path(here).parent)
         env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
         env.pop("PJRT_DEVICE", None)
+        if python != sys.executable:  # torch_xla points these at the libtpu installed here: jax would load it
+            for name in ("TPU_LIBRARY_PATH", "PTXLA_TPU_LIBRARY_PATH"):
+                env.pop(name, None)
         env.setdefault("TPU_LOG_DIR", "disabled")  # else every start leaves a file in /tmp/tpu_logs
         env.update(allocator_env(env))
         self.libtpu_args = os.environ.get("LIBTPU_INIT_ARGS", "")
         logdir = cache_dir()
         logdir.mkdir(parents=True, exist_ok=True)
-        with open(logdir / "worker.log", "ab") as err:
-            return subprocess.Popen([sys.executable, "-c", _BOOT.format(root=root, here=here)],
+        with open(self.log_path, "ab") as err:
+            return subprocess.Popen([python, "-c", _BOOT.format(root=root, here=here)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
 
     def ensure(self) -> None:
@@ -190,7 +217,7 @@ class _Process:
                 self.proc = None
                 log.warning("tpukit: the TPU compiler's worker exited (code %s), attempt %d", code, attempt)
             raise WorkerError(f"the TPU compiler's worker process died twice (exit code {code}); "
-                              f"its log is {cache_dir() / 'worker.log'}.")
+                              f"its log is {self.log_path}.")
 
     def stop(self) -> None:
         with self.lock:
@@ -209,8 +236,29 @@ class _Process:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
 
-_PROCESS = _Process()
-atexit.register(_PROCESS.stop)
+_PROCESSES: dict[tuple, _Process] = {}  # one per compiler, by its versions
+_PROCESSES_LOCK = threading.Lock()
+
+
+def _process(compiler: "str | Compiler | None" = None) -> _Process:
+    """The worker of ``compiler`` (default: the runtime's), made on first use."""
+    comp = _compiler(compiler)
+    found = comp.versions()
+    key = tuple(sorted(found.items()))
+    with _PROCESSES_LOCK:
+        if key not in _PROCESSES:
+            _PROCESSES[key] = _Process(found, comp.name)
+        return _PROCESSES[key]
+
+
+@atexit.register
+def _stop_all() -> None:
+    with _PROCESSES_LOCK:
+        running = list(_PROCESSES.values())
+    for proc in running:
+        proc.stop()
+
+
 _MEMORY: dict[str, dict] = {}
 _STATS = {"hits": 0, "misses": 0}
 _STATS_LOCK = threading.Lock()
@@ -230,21 +278,23 @@ def cache_info() -> dict[str, int]:
         return dict(_STATS)
 
 
-def worker_pid() -> int | None:
-    """The worker process's id while it runs (None before the first compile or after it stopped)."""
-    return _PROCESS.pid()
+def worker_pid(compiler: "str | Compiler | None" = None) -> int | None:
+    """The id of ``compiler``'s worker process (default: the runtime's) while it runs (None before its first
+    compile or after it stopped)."""
+    return _process(compiler).pid()
 
 
-def warm() -> None:
-    """Start the worker now, so it loads jax and libtpu while the caller traces (no-op when it runs, or
-    without the extra)."""
-    if available():
-        _PROCESS.ensure()
+def warm(compiler: "str | Compiler | None" = None) -> None:
+    """Start ``compiler``'s worker now, so it loads jax and libtpu while the caller traces (no-op when it runs,
+    or when its jax and libtpu are only partly installed here). Builds its environment first if it has none."""
+    comp = _compiler(compiler)
+    if not envs.is_installed(comp.versions()) or available():
+        _process(comp).ensure()
 
 
 def stop() -> None:
-    """Stop the worker process (the next compile starts a new one)."""
-    _PROCESS.stop()
+    """Stop every worker process (the next compile starts a new one)."""
+    _stop_all()
 
 
 def compile(request: Request) -> dict:
@@ -253,9 +303,11 @@ def compile(request: Request) -> dict:
     Served from the cache when this graph was compiled for this target before. Requests for the same
     key at once (``%%xla`` and the follower, say) share one compile: the first compiles, the others wait
     for its answer (or its exception). Raises :class:`TpuCompilerMissingError` without the extra,
-    :class:`WorkerError` if the worker cannot run.
+    :class:`WorkerError` if the worker cannot run. The answer names its compiler (``compiler``: the versions
+    that answered, ``compiler_name``: the name it was asked by).
     """
-    require()
+    request = replace(request, compiler=_compiler(request.compiler))
+    require(request.compiler)
     key = request.key()
     path = cache_dir() / key[:2] / f"{key}.json"
     with _INFLIGHT_LOCK:  # the cache is read under the lock the compiling request removes its entry with
@@ -268,7 +320,7 @@ def compile(request: Request) -> dict:
         reply = reply if reply is not None else shared.result()  # another request's compile of this key
         with _STATS_LOCK:
             _STATS["hits"] += 1
-        return _named(reply)
+        return _named(reply, request.compiler)
     try:
         reply = _compile(request, key, path)
     except BaseException as exc:
@@ -280,13 +332,26 @@ def compile(request: Request) -> dict:
     finally:
         with _INFLIGHT_LOCK:
             del _INFLIGHT[key]
-    return _named(reply)
+    return _named(reply, request.compiler)
 
 
-def _named(reply: dict) -> dict:
+def compile_dump(request: Request, folder: str | Path) -> dict:
+    """Compile ``request`` with the compiler's dump written into ``folder`` (:func:`.dump.files` lists what
+    it wrote); the worker's answer, naming its compiler. Not cached: :func:`compile` keeps figures, not
+    dumps (the breakdowns read from dumps are kept by :func:`.memory.estimate_with_breakdown`)."""
+    request = replace(request, compiler=_compiler(request.compiler))
+    require(request.compiler)
+    reply = _process(request.compiler).call(dict(request.message(), dump_to=str(folder)))
+    if "fatal" in reply:
+        raise WorkerError(f"the TPU compiler's worker failed: {reply['fatal']}")
+    return _named(reply, request.compiler)
+
+
+def _named(reply: dict, compiler: Compiler) -> dict:
     """A copy of ``reply`` that names the compiler that answered (an answer cached before replies named it
-    is from the versions installed here: they are part of its key)."""
-    return dict(reply, compiler=reply.get("compiler") or versions())
+    is from the versions asked for: they are part of its key) and the name it was asked by (answers are shared
+    between names of one pair: ``"torch_xla 2.8"`` and ``"libtpu 0.0.17"``)."""
+    return dict(reply, compiler=reply.get("compiler") or compiler.versions(), compiler_name=compiler.name)
 
 
 def _cached(key: str, path: Path) -> dict | None:
@@ -302,7 +367,7 @@ def _cached(key: str, path: Path) -> dict | None:
 
 def _compile(request: Request, key: str, path: Path) -> dict:
     """Have the worker compile ``request`` and keep its answer (a refusal for memory too)."""
-    reply = _PROCESS.call(request.message())
+    reply = _process(request.compiler).call(request.message())
     if "fatal" in reply:
         if reply.get("missing"):
             raise TpuCompilerMissingError(f"{reply['fatal']}")
@@ -322,11 +387,12 @@ def _compile(request: Request, key: str, path: Path) -> dict:
     return reply
 
 
-def check() -> dict[str, str]:
-    """Start the worker, load jax, libtpu and a v5e topology there; the versions it runs and its malloc
-    (``allocator``: the preloaded library's file name, or ``glibc``), as ``make install`` prints them."""
-    require()
-    reply = _PROCESS.call({"op": "check"})
+def check(compiler: "str | Compiler | None" = None) -> dict[str, str]:
+    """Start ``compiler``'s worker (default: the runtime's), load jax, libtpu and a v5e topology there; the
+    versions it runs and its malloc (``allocator``: the preloaded library's file name, or ``glibc``), as
+    ``make install`` prints them."""
+    require(compiler)
+    reply = _process(compiler).call({"op": "check"})
     if "fatal" in reply:
         raise (TpuCompilerMissingError if reply.get("missing") else WorkerError)(
             f"the TPU compiler's worker cannot run: {reply['fatal']}")

@@ -1,0 +1,144 @@
+"""``tpukit.compare``: one step, traced once, compiled for several targets by several TPU compilers: one table.
+
+The TPU compiler is in libtpu, and the libtpu a runtime loads is pinned by its
+torch_xla release (:mod:`.compilers`): Colab's v5e-1 runs torch_xla 2.9's,
+Kaggle's v5e-8 torch_xla 2.8's, a fresh ``pip install "jax[tpu]"`` the newest.
+Two of them can disagree about the same step (one refuses it, one compiles it),
+so the question "will it fit where I will run it" is asked of each, side by
+side. The step is traced once (:mod:`.trace`); its graph goes to each
+compiler's worker (:mod:`.worker`), in its own environment (:mod:`.envs`).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable
+
+from .._text import table_html, table_text
+from . import worker
+from .compilers import Compiler, compiler as _compiler, describe, role
+from .estimate import _check, _compile, _fsdp, _name, _resolve
+from .record import TpuCompileError, TpuEstimate, gb, refused
+from .targets import Target
+from .trace import retie, trace
+
+HEAD = ("target", "compiler", "fits", "HBM per chip", "TPU compile", "step at best")
+
+
+def _who(est: TpuEstimate) -> str:
+    """``"torch_xla 2.9: libtpu 0.0.21.1 (jax 0.7.2)"``; the pair alone when the name is its libtpu."""
+    return f"{est.compiler_name}: {est.compiler}" if role(est.compiler_name) else est.compiler or est.compiler_name
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The same step's :class:`TpuEstimate` for each (target, compiler) asked, in that order; its text and
+    HTML reprs are one table. ``disagree`` says whether two compilers gave one target different verdicts."""
+
+    step: str
+    estimates: tuple[TpuEstimate, ...]
+    note: str | None = None  # what the step's estimate is of, when it may not be what was meant
+
+    def of(self, target: str, compiler: str) -> TpuEstimate:
+        """The estimate for ``target`` by the compiler asked as ``compiler`` (its name: ``"torch_xla 2.8"``)."""
+        for est in self.estimates:
+            if est.target == target and est.compiler_name == compiler:
+                return est
+        raise KeyError(f"no estimate for ({target!r}, {compiler!r}) in this comparison: it has "
+                       f"{[(e.target, e.compiler_name) for e in self.estimates]}")
+
+    @property
+    def disagree(self) -> bool:
+        """True when one target fits by one compiler and not by another."""
+        return bool(self._split())
+
+    def _split(self) -> list[str]:
+        """The targets two compilers gave different verdicts, in the order asked."""
+        targets = dict.fromkeys(e.target for e in self.estimates)
+        return [t for t in targets if len({e.fits for e in self.estimates if e.target == t}) > 1]
+
+    def rows(self) -> list[tuple[str, ...]]:
+        """One row per estimate, in :data:`HEAD`'s columns."""
+        out = []
+        for e in self.estimates:
+            if e.fits:
+                hbm = f"{gb(e.hbm_bytes)} of {gb(e.hbm_limit_bytes)} ({e.hbm_bytes / e.hbm_limit_bytes:.0%}), " \
+                      f"{e.hbm_source}"
+                floor = f"{e.step_s_min * 1e3:.3g} ms, {e.bound}-bound"
+            else:
+                hbm = f"needs {gb(e.hbm_bytes)} of {gb(e.hbm_limit_bytes)}" if e.hbm_bytes else \
+                    f"? of {gb(e.hbm_limit_bytes)}"
+                floor = "-"
+            out.append((e.target, _who(e), "yes" if e.fits else f"NO ({e.status})", hbm,
+                        f"{e.compile_s:.1f} s", floor))
+        return out
+
+    def notes(self) -> list[str]:
+        """What the table cannot hold: each refusal's first line, whether the compilers disagree, the note."""
+        out = [f"{e.target} by {e.compiler_name or e.compiler}: {(e.message or '').splitlines()[0][:200]}"
+               for e in self.estimates if not e.fits and e.message]
+        split = self._split()
+        if split:
+            out.append(f"the compilers disagree on {', '.join(split)}: the runtime you will run decides")
+        return out + ([self.note] if self.note else [])
+
+    def __str__(self) -> str:
+        text = table_text(self.rows(), title=f"tpukit.compare: {self.step} (traced once), per chip", head=HEAD)
+        return "\n".join([text] + [f"  note: {n}" for n in self.notes()])
+
+    def _repr_html_(self) -> str:
+        notes = "".join(f"<div style='font-size:90%'>note: {n}</div>" for n in map(_escape, self.notes()))
+        return table_html(self.rows(), title=f"tpukit.compare: {self.step} (traced once), per chip",
+                          head=HEAD) + notes
+
+
+def _escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
+
+
+def compare(step: Callable, *args: Any, targets: Iterable[str | Target | None] = (None,),
+            compilers: Iterable[str | Compiler | None] = (None,),
+            pairs: Iterable[tuple[str | Target | None, str | Compiler | None]] | None = None,
+            fsdp: bool = False, **kwargs: Any) -> Comparison:
+    """``step(*args, **kwargs)`` traced once and compiled for every target in ``targets`` by every compiler
+    in ``compilers`` (or for each ``(target, compiler)`` of ``pairs``); one :class:`Comparison` table.
+
+    Targets and compilers are named as for :func:`tpukit.estimate` (None: the runtime's). For Colab's
+    runtime against Kaggle's against the newest compiler: ``pairs=[("v5e-1", "torch_xla 2.9"),
+    ("v5e-8", "torch_xla 2.8"), ("v5e-1", "newest")]``. A compiler not installed here runs in its own
+    environment, built on first use. A compiler that refuses the step (for memory, or any other reason) is
+    a row that says so; ``fsdp=True`` as for :func:`tpukit.estimate`. Nothing of the step is run or kept.
+    Each compiler has its own worker process: the compilers work at the same time (one thread each, as many
+    at once as this machine has cores), each compiling its targets in turn.
+    """
+    asked = list(pairs) if pairs is not None else [(t, c) for t in targets for c in compilers]
+    if not asked:
+        raise ValueError("tpukit.compare needs at least one target and one compiler.")
+    resolved = [(_resolve(t), _compiler(c)) for t, c in asked]  # unknown names fail before anything is traced
+    for comp in dict.fromkeys(c for _, c in resolved):
+        worker.require(comp)
+    worker.warm(resolved[0][1])
+    name = _name(step)
+    retie(step, args, kwargs, "tpukit.compare")
+    traced = trace(step, args, kwargs)
+    note = _check(traced, name, "tpukit.compare")
+
+    def one(tgt: Target, comp: Compiler) -> TpuEstimate:
+        try:
+            est = _compile(traced, tgt, name, _fsdp(traced, tgt, fsdp), comp)
+        except TpuCompileError as exc:  # refused for another reason than memory: a row, not the end
+            est = replace(refused(tgt, str(exc)), compiler=describe(comp.versions()), compiler_name=comp.name)
+        return replace(est, note=note)
+
+    def each(comp: Compiler) -> dict[int, TpuEstimate]:  # one compiler's pairs, in turn, on its worker
+        return {i: one(tgt, c) for i, (tgt, c) in enumerate(resolved) if c == comp}
+
+    by = list(dict.fromkeys(c for _, c in resolved))
+    with ThreadPoolExecutor(max_workers=max(1, min(len(by), os.cpu_count() or 1)),
+                            thread_name_prefix="tpukit-compare") as pool:
+        done = {i: est for found in pool.map(each, by) for i, est in found.items()}
+    return Comparison(name, tuple(done[i] for i in range(len(resolved))), note)

@@ -1,0 +1,364 @@
+"""Why a step needs the HBM it does: the buffers at the peak, by kind and by the source line that made them.
+
+``tpukit.estimate(step, batch, target=..., memory=True)`` compiles the step with
+a dump of the compiler's buffer assignment (:mod:`.dump`) and keeps, as
+``est.memory``, a :class:`MemoryBreakdown`: every buffer in HBM at the program's
+peak (the step's parameters and outputs, and its temporaries when they add up
+to most), each with a kind and where it comes from. The kind of a parameter or
+output of the graph is what the trace found it to be (:mod:`.trace`: a model's
+parameter, a gradient, optimizer state, the batch); a temporary's comes from its
+operation's metadata: traced in the forward and still live once the backward
+began is an activation kept for backward; made by the backward with a
+parameter's shape is a gradient; the rest are temporaries. Where is the Python
+line that traced the operation (the user's, or a library's: ``torch/nn/...``) and
+the module whose forward ran it.
+
+A step the compiler refused gets one too, without a dump: its refusal lists the
+program's largest allocations (:mod:`.refusal`), mapped to the same kinds and
+lines (``source`` says which). The record is plain data with a text and an HTML
+table and a matplotlib bar chart (:meth:`MemoryBreakdown.plot`); advice, each
+piece checked by a compile where it can be, is in :mod:`.advice`.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import os
+import re
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from .. import _ipython, _text
+from . import dump as _dump, worker
+from .compilers import compiler as _compiler
+from .record import Suggestion, TpuEstimate, from_reply, gb
+from .refusal import Refusal
+from .targets import Target
+from .trace import ACTIVATIONS, GRADIENTS, INPUTS, OPTIMIZER, OUTPUTS, PARAMETERS, TEMPORARIES, Traced
+
+log = logging.getLogger("tpukit")
+
+KINDS = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES, INPUTS, OUTPUTS)
+CODE = "program code"
+DUMP = "compiler dump"  # MemoryBreakdown.source: the dump of this very compile
+REFUSAL = "compiler refusal"  # the refusal's list of the program's largest allocations
+_STATE = (PARAMETERS, GRADIENTS, OPTIMIZER, INPUTS, OUTPUTS, CODE)  # grouped by kind alone in rows()
+_FORMAT = 1  # of the cached breakdowns (part of their file name)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One buffer in HBM at the peak: its size, what it holds and where it comes from."""
+
+    bytes: int
+    kind: str  # one of KINDS, or CODE
+    name: str  # a parameter's name ("layers.0.qkv.weight"), else the HLO value ("fusion.72{1}")
+    shape: str = ""
+    source: str | None = None  # "file:line" of the Python that traced it
+    module: str | None = None  # the module whose forward traced it ("layers.0")
+    op: str | None = None  # torch_xla's op name ("aten__softmax")
+    backward: bool = False  # made by the backward pass (autograd traces it without a Python line)
+
+    @property
+    def where(self) -> str:
+        """Where it comes from, for people: its source line (a notebook cell as ``[N]:line``), else its op
+        (``aten__mm in the backward``)."""
+        if self.source:
+            return short(self.source)
+        return f"{self.op} in the backward" if self.op and self.backward else self.op or ""
+
+
+@dataclass(frozen=True)
+class MemoryRow:
+    """Buffers of one kind from one place, added up."""
+
+    kind: str
+    where: str  # the source line, op or "" (the step's parameters, optimizer state, ... as a whole)
+    bytes: int
+    count: int
+    shapes: tuple[str, ...]  # the largest buffers' shapes (three at most)
+    modules: tuple[str, ...] = ()  # the modules whose forward made them
+    names: tuple[str, ...] = ()  # the largest buffers' names (three at most)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """The HBM of a step at its peak, buffer by buffer (per chip): ``rows()`` groups them, largest first."""
+
+    total_bytes: int  # what the buffers add up to
+    buffers: tuple[Buffer, ...]
+    source: str  # DUMP, REFUSAL, or "compiler dump of batch N" (a smaller batch than the step's)
+    peak_bytes: int | None = None  # the estimate's HBM figure the buffers account for (None: not known)
+    note: str | None = None
+    advice: tuple[Suggestion, ...] = ()  # what to change, with the HBM a compile gives after it (tpu.advice)
+
+    def by_kind(self) -> dict[str, int]:
+        """Bytes per kind, largest first."""
+        out: dict[str, int] = defaultdict(int)
+        for b in self.buffers:
+            out[b.kind] += b.bytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def rows(self, share: float = 0.9, most: int = 12) -> list[MemoryRow]:
+        """Buffers grouped by (kind, where), largest first, until they cover ``share`` of the total (at most
+        ``most`` rows). Parameters, gradients, optimizer state, inputs and outputs group by kind alone."""
+        groups: dict[tuple[str, str], list[Buffer]] = defaultdict(list)
+        for b in self.buffers:
+            groups[(b.kind, "" if b.kind in _STATE else b.where)].append(b)
+        rows = []
+        for (kind, where), bs in groups.items():
+            bs = sorted(bs, key=lambda b: -b.bytes)
+            state = kind in _STATE
+            rows.append(MemoryRow(kind, where, sum(b.bytes for b in bs), len(bs), _first(b.shape for b in bs),
+                                  () if state else tuple(sorted({b.module for b in bs if b.module})),
+                                  _first(b.name for b in bs) if state else ()))
+        rows.sort(key=lambda r: -r.bytes)
+        whole = self.total_bytes or sum(r.bytes for r in rows) or 1
+        out, covered = [], 0
+        for r in rows:
+            if len(out) >= most or covered >= share * whole:
+                break
+            out.append(r)
+            covered += r.bytes
+        return out
+
+    def covered(self, share: float = 0.9) -> float:
+        """The part of the total that :meth:`rows` (``share``) shows."""
+        return sum(r.bytes for r in self.rows(share)) / (self.total_bytes or 1)
+
+    def table(self, size=gb) -> list[tuple[str, str, str, str]]:
+        """(size, share, kind, where and what) per row of :meth:`rows`, as both reprs show them."""
+        out = []
+        for r in self.rows():
+            what = r.where or ", ".join(r.names)
+            detail = ", ".join(x for x in (f"{r.count} x " + " / ".join(r.shapes) if r.shapes else "",
+                                           "in " + ", ".join(r.modules) if r.modules else "") if x)
+            out.append((size(r.bytes), f"{r.bytes / (self.total_bytes or 1):.0%}", r.kind,
+                        f"{what} ({detail})" if detail and what else what or detail))
+        return out
+
+    def lines(self, size=gb) -> list[str]:
+        """The rows as short lines: ``1.07 GB (65%) activations kept for backward: test.py:42 (...)``."""
+        return [f"{s} ({p}) {k}" + (f": {w}" if w else "") for s, p, k, w in self.table(size)]
+
+    def summary(self) -> list[tuple[str, str]]:
+        """The (label, value) rows :class:`~.record.TpuEstimate`'s table adds: the kinds, then (from a dump:
+        a refusal's own list is already there) the largest rows, then the advice."""
+        out = [("why: HBM at the peak", f"{gb(self.total_bytes)} from the {self.source}: " +
+                ", ".join(f"{k} {gb(v)}" for k, v in self.by_kind().items()))]
+        if self.source != REFUSAL:
+            out += [("", line) for line in self.lines()]
+        if self.note:
+            out.append(("  note", self.note))
+        out += [(f"try: {s.change}", s.how + _after(s)) for s in self.advice]
+        return out
+
+    def _title(self) -> str:
+        peak = f" (the estimate's figure: {gb(self.peak_bytes)})" if self.peak_bytes else ""
+        kinds = ", ".join(f"{k} {gb(v)}" for k, v in self.by_kind().items())
+        return f"HBM at the peak: {gb(self.total_bytes)}{peak}, from the {self.source}. By kind: {kinds}"
+
+    def __str__(self) -> str:
+        text = _text.table_text(self.table(), title=self._title())
+        extra = [f"  note: {self.note}"] if self.note else []
+        extra += [f"  try: {s.change}: {s.how}" + _after(s) for s in self.advice]
+        return "\n".join([text] + extra)
+
+    def _repr_html_(self) -> str:
+        page = _text.table_html(self.table(), title=self._title(), head=("HBM", "share", "kind", "where"))
+        extra = f"<p>{html.escape(self.note)}</p>" if self.note else ""
+        extra += "".join(f"<p>try: <b>{html.escape(s.change)}</b>: {html.escape(s.how + _after(s))}</p>"
+                         for s in self.advice)
+        return page + extra
+
+    def plot(self, ax: Any = None) -> Any:
+        """A horizontal bar chart of :meth:`rows` (GB, coloured by kind) on ``ax`` (a new figure without one);
+        returns the axes. Needs matplotlib."""
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as exc:
+            raise ImportError("MemoryBreakdown.plot needs matplotlib: pip install matplotlib") from exc
+        rows = self.rows()[::-1]
+        if ax is None:
+            _, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+        colours = {k: plt.get_cmap("tab10")(i) for i, k in enumerate(KINDS + (CODE,))}
+        ax.barh([f"{r.kind}: {r.where or ', '.join(r.names)}"[:70] for r in rows], [r.bytes / 1e9 for r in rows],
+                color=[colours.get(r.kind, "grey") for r in rows])
+        ax.set_xlabel("GB at the peak (per chip)")
+        ax.set_title(f"HBM at the peak: {gb(self.total_bytes)} ({self.source})", fontsize=10)
+        return ax
+
+
+def _first(items: Any, n: int = 3) -> tuple[str, ...]:
+    out: list[str] = []
+    for x in items:
+        if x and x not in out:
+            out.append(x)
+        if len(out) >= n:
+            break
+    return tuple(out)
+
+
+def _after(s: Suggestion) -> str:
+    if s.hbm_bytes is None:
+        return " (not checked by a compile)"
+    return f" -> {gb(s.hbm_bytes)}, " + ("fits" if s.fits else "still too big") + " (checked by a compile)"
+
+
+def short(source: str) -> str:
+    """A source line for people: a library file from ``site-packages/`` on, a notebook cell as ``[N]:line``."""
+    path, _, line = source.rpartition(":")
+    cell = _ipython.cell_label(path)
+    if cell:
+        return f"{cell}:{line}"
+    if "site-packages/" in path:
+        return path.split("site-packages/", 1)[1] + ":" + line
+    return source
+
+
+def _state_kind(kind: str, name: str) -> tuple[str, str]:
+    return kind, name or ("scalars the step reads (learning rate, step count, ...)" if kind == INPUTS else name)
+
+
+def from_dump(found: _dump.Dump, traced: Traced, reply: dict | None = None, source: str = DUMP) -> MemoryBreakdown:
+    """The breakdown of a compile's dump: each buffer's kind from the trace (its graph's parameters and
+    outputs) and from its operation's metadata (temporaries). ``reply``: the compiler's figures of the same
+    compile, for its code and the part of its temporaries the dump does not place."""
+    params = {i: k for i, k in enumerate(traced.inputs)}
+    results = {i: k for i, k in enumerate(traced.results)}
+    weights = {h.shape for h in found.held if h.role == _dump.PARAMETER and params.get(h.index, ("",))[0] == PARAMETERS}
+    out: list[Buffer] = []
+    for h in found.held:
+        if h.role == _dump.PARAMETER:
+            kind, name = _state_kind(*params.get(h.index, (INPUTS, "")))
+        elif h.role == _dump.OUTPUT:
+            kind, name = results.get(h.index, (OUTPUTS, "")) if h.index is not None else (OUTPUTS, "")
+            name = name or h.instruction
+        elif h.origin is not None:  # a copy of a parameter of the graph
+            kind, name = params.get(h.origin, (INPUTS, ""))
+            name = f"copy of {name or 'an input'}"
+        elif h.role == _dump.TEMPORARY and h.phase == _dump.FORWARD and h.kept and traced.trains is not False:
+            kind, name = ACTIVATIONS, h.instruction
+        elif h.role == _dump.TEMPORARY and h.phase == _dump.BACKWARD and h.shape in weights:
+            kind, name = GRADIENTS, h.instruction
+        else:
+            kind, name = TEMPORARIES, h.instruction
+        out.append(Buffer(h.bytes, kind, name, h.shape, h.source, h.module, h.op_name, h.phase == _dump.BACKWARD))
+    note = None
+    if reply:
+        total = sum(b.bytes for b in out)
+        whole = (reply["arguments_bytes"] + reply["outputs_bytes"] + reply["temp_bytes"] - reply["aliased_bytes"])
+        if whole > total:  # temporaries the compiler counts that the buffer assignment does not place
+            out.append(Buffer(whole - total, TEMPORARIES, "the compiler's scratch (not placed in its dump)"))
+        if reply.get("code_bytes"):
+            out.append(Buffer(int(reply["code_bytes"]), CODE, "the program's code"))
+        peak = reply.get("peak_bytes")
+        if peak and peak < sum(b.bytes for b in out):
+            note = (f"the compiler reports a peak of {gb(peak)}, below these buffers' {gb(sum(b.bytes for b in out))}:"
+                    " not all of them are live at once")
+    return MemoryBreakdown(sum(b.bytes for b in out), tuple(out), source, note=note)
+
+
+def from_refusal(refusal: Refusal, traced: Traced | None = None) -> MemoryBreakdown:
+    """The breakdown the compiler's refusal gives: its largest allocations (most of the program, not all:
+    ``total_bytes`` is the program's need, so the rows' shares say how much the list covers)."""
+    params = dict(enumerate(traced.inputs)) if traced else {}
+    trains = traced.trains if traced else None
+    out = []
+    for a in refusal.allocations:
+        phase = _dump.phase_of(a.op_name, a.source)
+        if a.parameter is not None:
+            kind, name = _state_kind(*params.get(a.parameter, (INPUTS, "")))
+        elif "output" in a.kind.lower():
+            kind, name = OUTPUTS, a.instruction
+        elif phase == _dump.FORWARD and trains is not False:
+            # The refusal gives no live ranges: a forward buffer this large in a training step is one the
+            # backward needs (one that did not outlive the forward would not be among the largest at the peak).
+            kind, name = ACTIVATIONS, a.instruction
+        else:
+            kind, name = TEMPORARIES, a.instruction
+        op = a.op_name.rsplit("/", 1)[-1] if a.op_name else None
+        out.append(Buffer(a.bytes, kind, name, a.shape, a.source, _dump.module_of(a.op_name), op,
+                          phase == _dump.BACKWARD))
+    whole = refusal.program_bytes or refusal.used_bytes or sum(b.bytes for b in out)
+    listed = sum(b.bytes for b in out)
+    note = (f"the refusal lists the program's largest allocations: {gb(listed)} of its {gb(whole)}"
+            if listed < 0.999 * whole else None)
+    return MemoryBreakdown(whole, tuple(out), REFUSAL, peak_bytes=refusal.used_bytes, note=note)
+
+
+def _cache_path(key: str) -> Path:
+    return worker.cache_dir() / key[:2] / f"{key}.memory{_FORMAT}.json"
+
+
+def _dumped(request: worker.Request) -> tuple[dict, _dump.Dump | None]:
+    """The worker's answer for ``request`` compiled with a dump, and the dump read (None when the compiler
+    wrote none). Kept on disk beside the answers of :func:`worker.compile`, by the same key."""
+    request = replace(request, compiler=_compiler(request.compiler))
+    path = _cache_path(request.key())
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            return (worker._named(data["reply"], request.compiler),
+                    _dump.Dump.from_json(data["dump"]) if data.get("dump") else None)
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    with tempfile.TemporaryDirectory(prefix="tpukit-dump-") as folder:
+        reply = worker.compile_dump(request, folder)
+        try:
+            found = _dump.read(folder)
+        except FileNotFoundError:
+            found = None
+    if "error" not in reply or reply.get("memory"):  # a passing fault of the install is asked again
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({"reply": reply, "dump": found.to_json() if found else None}))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("tpukit: could not keep the HBM breakdown in %s: %s", path, exc)
+    return reply, found
+
+
+def estimate_with_breakdown(traced: Traced, tgt: Target, name: str, shard_over: int = 1,
+                            compiler: Any = None) -> TpuEstimate:
+    """Compile ``traced`` for ``tgt`` once, with the compiler's dump, and return its estimate with
+    ``memory`` set: from the dump when it compiled, from the refusal's list when it did not."""
+    reply, found = _dumped(worker.Request(traced.hlo, tgt, traced.num_partitions, traced.aliases, shard_over,
+                                          compiler))
+    est = from_reply(reply, tgt, name)
+    if est.fits and found is not None:
+        why = from_dump(found, traced, reply)
+        return replace(est, memory=replace(why, peak_bytes=est.hbm_bytes))
+    return replace(est, memory=breakdown_of_refusal(est, traced))
+
+
+def breakdown_of_refusal(est: TpuEstimate, traced: Traced | None = None) -> MemoryBreakdown | None:
+    """``est.memory`` for a refused step: its refusal's largest allocations by kind and line (None when
+    the refusal lists none)."""
+    if est.refusal is None or not est.refusal.allocations:
+        return None
+    return from_refusal(est.refusal, traced)
+
+
+def _of_smaller_batch(est: TpuEstimate, traced: Traced, batch: int, tgt: Target, name: str,
+                     compiler: Any = None) -> MemoryBreakdown | None:
+    """For a refused step whose refusal lists no allocations: the breakdown of the largest batch that fits
+    (``traced``, at ``batch`` rows), said so."""
+    smaller = estimate_with_breakdown(traced, tgt, name, compiler=compiler)
+    if smaller.memory is None or not smaller.fits:
+        return None
+    return replace(smaller.memory, source=f"compiler dump of batch {batch}, the largest that fits",
+                   note=f"the refusal of the step lists no allocations: this is batch {batch}'s peak "
+                        f"({gb(smaller.hbm_bytes)}), which fits; the refused batch needs {gb(est.hbm_bytes)}")
+
+
+def attention_like(buffer: Buffer) -> bool:
+    """A buffer shaped as attention scores or probabilities: [..., L, L] with L >= 128, rank 3 or more."""
+    dims = [int(d) for d in re.findall(r"\d+", buffer.shape.split("[", 1)[-1])]
+    return len(dims) >= 3 and dims[-1] == dims[-2] >= 128
