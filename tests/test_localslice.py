@@ -61,6 +61,17 @@ def _signal(sig: int):
     return act
 
 
+def _start_watched(matches, act, caplog) -> tuple[tpukit.LocalSlice, list]:
+    """A one-host slice (the head) started while a spy does ``act`` to the first child process ``matches``
+    accepts, its warnings kept in ``caplog``; the slice and what the spy did (it has finished)."""
+    spy, seen = _spy(matches, act)
+    sim = tpukit.LocalSlice("2x2", "v5e")
+    with caplog.at_level("WARNING", logger="tpukit"):
+        sim.start()
+    spy.join()
+    return sim, seen
+
+
 def _assert_one_live_host_and_nothing_left(sim) -> None:
     """The slice's one host is alive in Ray, with its TPU label; after shutdown no Ray process is left."""
     import ray
@@ -80,12 +91,8 @@ def _assert_one_live_host_and_nothing_left(sim) -> None:
 
 
 def test_a_host_that_does_not_register_in_time_is_started_again(caplog):
-    spy, stopped = _spy(lambda proc: proc.name() == "raylet", _signal(signal.SIGSTOP))
-    sim = tpukit.LocalSlice("2x2", "v5e")  # one host: the head
-    with caplog.at_level("WARNING", logger="tpukit"):
-        sim.start()
+    sim, stopped = _start_watched(lambda proc: proc.name() == "raylet", _signal(signal.SIGSTOP), caplog)
     try:
-        spy.join()
         assert stopped, "the test never saw a raylet to stop"
         assert not psutil.pid_exists(stopped[0]) or psutil.Process(stopped[0]).status() == psutil.STATUS_ZOMBIE, \
             "the node that timed out was left running"
@@ -99,12 +106,8 @@ def test_a_host_whose_agent_fails_is_started_again_with_fresh_ports(caplog):
     # held it), the raylet shut down with it as it registered, and the slice ran one host short. Here
     # the agent dies the blunt way (SIGKILL the moment it appears): the raylet fate-shares with it,
     # before or after it registers (timing decides which; both must lead to a second start).
-    spy, killed = _spy(_runs("runtime_env/agent/main.py"), _signal(signal.SIGKILL))
-    sim = tpukit.LocalSlice("2x2", "v5e")
-    with caplog.at_level("WARNING", logger="tpukit"):
-        sim.start()
+    sim, killed = _start_watched(_runs("runtime_env/agent/main.py"), _signal(signal.SIGKILL), caplog)
     try:
-        spy.join()
         assert killed, "the test never saw a runtime-env agent to kill"
         assert "simulated host 0 of 1 did not start (" in caplog.text and "attempt 2 of 5" in caplog.text, caplog.text
     finally:
@@ -112,15 +115,15 @@ def test_a_host_whose_agent_fails_is_started_again_with_fresh_ports(caplog):
 
 
 def _pause_for(seconds: float):
-    """An action pausing the process (SIGSTOP) for ``seconds``, then resuming it. It returns, for the one
-    raylet running beside it: its pid, its environment and its log file, read while it was paused.""" 
+    """An action pausing the process (SIGSTOP) for ``seconds``, then resuming it. It returns the pid and the
+    log file of the one raylet running beside it, read while it was paused."""
     def act(proc):
         os.kill(proc.pid, signal.SIGSTOP)
         try:
             raylets = [p for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
             assert len(raylets) == 1, f"an agent paused beside {len(raylets)} raylets"
             log_file = next(a.split("=", 1)[1] for a in raylets[0].cmdline() if a.startswith("--stdout_filepath="))
-            seen = (raylets[0].pid, raylets[0].environ(), log_file)
+            seen = (raylets[0].pid, log_file)
             time.sleep(seconds)
         finally:
             os.kill(proc.pid, signal.SIGCONT)
@@ -133,14 +136,10 @@ def test_a_slow_agent_does_not_take_its_raylet_down(caplog):
     # 15 s for that agent's listen port (Ray 2.60: no setting changes it), aborted ("Timed out waiting for
     # file ..."); every attempt of the host died that way. LocalSlice writes that port before the raylet
     # looks for it: here the agent is paused for 20 s the moment it appears, and its raylet serves on.
-    spy, paused = _spy(_runs("dashboard/agent.py"), _pause_for(20.0))
-    sim = tpukit.LocalSlice("2x2", "v5e")
-    with caplog.at_level("WARNING", logger="tpukit"):
-        sim.start()
+    sim, paused = _start_watched(_runs("dashboard/agent.py"), _pause_for(20.0), caplog)
     try:
-        spy.join()
         assert paused, "the test never paused a dashboard agent"
-        pid, _, log_file = paused[0]
+        pid, log_file = paused[0]
         with open(log_file) as f:
             raylet_log = f.read()
         assert "raylet" in raylet_log and "Timed out waiting for file" not in raylet_log, raylet_log[-3000:]

@@ -293,8 +293,18 @@ def newest(max_age_s: float = NEWEST_MAX_AGE_S) -> dict[str, str]:
                         kept["versions"]["libtpu"])
             return kept["versions"]
         raise
+    write_json(path, {"versions": found, "asked": time.time()})
+    return found
+
+
+def write_json(path: Path, data: object) -> None:
+    """Write ``data`` as JSON to ``path`` through a temp file beside it (its folder made if needed): the file
+    is complete or absent, never half written. The kit's cache files (compiler answers, breakdowns, the
+    newest compiler's versions) are written this way; raises ``OSError`` as writing does."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"versions": found, "asked": time.time()}))
-    os.replace(tmp, path)
-    return found
+    try:
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

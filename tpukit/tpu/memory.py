@@ -25,7 +25,6 @@ from __future__ import annotations
 import html
 import json
 import logging
-import os
 import re
 import tempfile
 from collections import defaultdict
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _ipython, _text
-from . import dump as _dump, worker
+from . import dump as _dump, envs, worker
 from .compilers import compiler as _compiler
 from .record import Suggestion, TpuEstimate, from_reply, gb
 from .refusal import Refusal
@@ -316,10 +315,7 @@ def _dumped(request: worker.Request) -> tuple[dict, _dump.Dump | None]:
             found = None
     if "error" not in reply or reply.get("memory"):  # a passing fault of the install is asked again
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"reply": reply, "dump": found.to_json() if found else None}))
-            os.replace(tmp, path)
+            envs.write_json(path, {"reply": reply, "dump": found.to_json() if found else None})
         except OSError as exc:
             log.warning("tpukit: could not keep the HBM breakdown in %s: %s", path, exc)
     return reply, found

@@ -378,10 +378,7 @@ def _compile(request: Request, key: str, path: Path) -> dict:
         return reply  # another refusal may be a passing fault of this install: asked again next time
     _MEMORY[key] = reply
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(reply))
-        os.replace(tmp, path)
+        envs.write_json(path, reply)
     except OSError as exc:
         log.warning("tpukit: could not write the TPU estimate cache %s: %s", path, exc)
     return reply
