@@ -109,8 +109,11 @@ LANES = {
     # a fresh interpreter (a new XLA runtime: 5-10 s of imports on two busy cores), or the launcher's children
     "subprocess": ("run_python", "subprocess.run", "subprocess.Popen", "subprocess.check_output",
                    "subprocess.call", "subprocess.check_call", "launcher.launch", "tpukit.launch"),
-    # libtpu's TPU compiler in its worker process (seconds to minutes per compile)
-    "compiler": ("estimate", "largest_batch", "compile_graph", "compare", "tpu.*", "tpukit.tpu.*", "target=v*"),
+    # libtpu's TPU compiler in its worker process (seconds to minutes per compile), a compiler's environment
+    # (a download), or the dashboard's follower (it compiles each graph for the target): what starts them, not
+    # every name of tpukit.tpu (its tables, caches and parsers run in microseconds)
+    "compiler": ("estimate", "largest_batch", "compile_graph*", "compare", "worker.*", "follow", "follower",
+                 "envs.python", "envs.newest", "tpu.check", "explain", "target=v*"),
     # a local multi-node Ray cluster
     "cluster": ("LocalSlice", "run_on_slice", "ray.init"),
     # a real Jupyter kernel (jupyter_client + ipykernel)
@@ -192,6 +195,8 @@ def pytest_collection_modifyitems(config, items):
     conftest = os.path.abspath(__file__)
     for item in items:
         if not isinstance(item, pytest.Function) or not str(item.fspath).endswith(".py"):
+            continue
+        if item.get_closest_marker("light"):  # names a heavy entry point but is refused before reaching it
             continue
         roots = (item.originalname, *item.fixturenames)
         for lane in sorted(_lanes_of((str(item.fspath), conftest), roots)):

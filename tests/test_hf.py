@@ -170,6 +170,7 @@ def test_a_train_that_raised_is_ended_by_the_next(rt, tok, examples, tmp_path):
     assert len(second.tracker.history) == 2
 
 
+@pytest.mark.light
 def test_bucket_collator_pads_to_buckets_and_declares_them(tok, examples):
     c = tpukit.hf.BucketCollator(tok, lengths=[len(e["input_ids"]) for e in examples], batch_size=BATCH)
     assert c.advice is not None and list(c.buckets) == list(c.advice.buckets)
@@ -210,6 +211,7 @@ def test_torch_compile_refused_before_anything_compiles(rt, tok, examples, tmp_p
     assert tpukit.snapshot().compiles == before
 
 
+@pytest.mark.light
 def test_checks_logging_every_step_and_evaluation_padding(tok, examples, tmp_path):
     from transformers import DataCollatorWithPadding, TrainingArguments
     from torch.utils.data import DataLoader

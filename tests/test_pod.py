@@ -214,6 +214,7 @@ def not_run():
 
 # ------------------------------------------------------------------ errors before anything starts
 
+@pytest.mark.light
 def test_no_reachable_cluster_is_a_clear_error_before_anything_starts():
     address = ray.get_runtime_context().gcs_address if ray.is_initialized() else None
     if address:
@@ -252,6 +253,7 @@ def test_bad_input_is_refused_before_anything_starts(local_slice):
     assert_nothing_left_running()
 
 
+@pytest.mark.light
 def test_a_local_slice_needs_a_positive_device_count():
     for bad in (0, -2, 1.5, True, "2"):
         with pytest.raises(ValueError, match=re.escape(f"devices_per_host={bad!r} must be a positive int")):

@@ -129,6 +129,7 @@ def test_setup_target_is_what_estimate_compiles_for(tpu_cache):
     assert out.stdout.splitlines()[-2:] == ["v6e-1 v6e-1", "v5e-1 v5e-1 v5e-1"], out.stdout
 
 
+@pytest.mark.light
 @needs_tpu_compiler
 def test_estimate_without_any_target_says_how_to_name_one(rt, monkeypatch):
     monkeypatch.delenv("TPUKIT_TARGET", raising=False)

@@ -42,6 +42,7 @@ def n_params(model):
     return sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.light
 def test_unknown_target_lists_the_known_ones(rt):
     with pytest.raises(tpu.TargetError, match="Known targets: v5e-1.*v5e-8.*v6e-1.*v5p-8.*v4-8"):
         tpu.target("v7x-3")
