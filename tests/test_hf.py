@@ -242,9 +242,16 @@ def test_callback_target_estimates_the_trainers_graphs_for_that_tpu(rt, tok, exa
     assert rows and all(r["target"] == "v5e-1" and r["answered"] for r in rows), rows
     assert all(r["fits"] and 0 < r["hbm_bytes"] < r["hbm_limit_bytes"] for r in rows), rows  # a tiny BERT
     assert max(r["step_s_min"] for r in rows) > 0
+    here = tpukit.tpu.compilers.runtime()  # the compiler the installed torch_xla's runtime runs answers
+    assert all(r["compiler"].startswith(f"libtpu {here.libtpu} ") and r["compiler_name"] == here.name
+               for r in rows), rows
     assert any("the Trainer's training step" in r["graph"] for r in rows), [r["graph"] for r in rows]
     view = cb.tracker.dashboard.view()
     assert {est.target for _, est in view.tpu} == {"v5e-1"} and view.tpu
+    from tpukit.widgets import render
+    import html
+    assert html.escape(f"the TPU compiler's answer, libtpu {here.libtpu}, {here.name}'s compiler") \
+        in render.tpu_html(view)
     assert tpukit.tpu.follower() is None  # the run's target is not left following the next cells' graphs
     with pytest.raises(tpukit.tpu.TargetError, match="v5e-1"):
         tpukit.hf.Callback(target="v9-1")

@@ -368,14 +368,21 @@ def test_with_a_target_every_graph_is_compiled_for_it_in_the_background():
     rows = out["summary"]
     assert rows and all(r["target"] == "v5e-1" and r["answered"] and r["fits"] for r in rows), rows
     assert all(r["hbm_bytes"] <= r["hbm_limit_bytes"] and r["step_s_min"] > 0 for r in rows), rows
+    # Every place that shows an answer names the compiler that gave it: by default the libtpu the installed
+    # torch_xla's runtime loads (torch_xla 2.8: libtpu 0.0.17; 2.9: 0.0.21.1).
+    runtime_compiler = tpukit.tpu.compilers.runtime()
+    by = f"[libtpu {runtime_compiler.libtpu}, {runtime_compiler.name}'s compiler]"
+    assert all(r["compiler"].startswith(f"libtpu {runtime_compiler.libtpu} ")
+               and r["compiler_name"] == runtime_compiler.name for r in rows), rows
     shown = [ln for ln in out["dashboard"].splitlines() if "on the target TPU:" in ln]
     assert 1 <= len(shown) <= len({g[0] for g in got}) and all("v5e-1: fits" in ln for ln in shown), out["dashboard"]
+    assert all(ln.endswith(by) for ln in shown), (by, shown)
     late = out["late"]  # the loop's dashboard closed before the TPU compiler's answer for its last graph
     assert late["waited"] and late["tpu_rows"] >= 1 and not late["listening"], late
     assert "tpukit: on the target TPU:" in late["out"] and "v5e-1: fits" in late["out"], late["out"]
     cell = out["cell"]
     assert "%%xla --target v5e-8: each graph compiled by the TPU compiler" in cell, cell
-    assert "v5e-8: fits" in cell and "HBM per chip" in cell, cell
+    assert "v5e-8: fits" in cell and "HBM per chip" in cell and by in cell, cell
 
 
 def test_a_process_removes_its_trace_and_dump_and_sweeps_those_of_dead_ones(tmp_path):

@@ -352,7 +352,8 @@ def _tpu_rows(follower: Any, found: list, wait: float) -> list[dict] | None:
         if est is not None:
             row.update(fits=est.fits, status=est.status, hbm_bytes=est.hbm_bytes, hbm_source=est.hbm_source,
                        hbm_limit_bytes=est.hbm_limit_bytes,
-                       compile_s=est.compile_s, step_s_min=est.step_s_min, bound=est.bound, message=est.message)
+                       compile_s=est.compile_s, step_s_min=est.step_s_min, bound=est.bound, message=est.message,
+                       compiler=est.compiler, compiler_name=est.compiler_name)
         rows.append(row)
     return rows
 

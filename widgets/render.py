@@ -253,10 +253,10 @@ def tpu_html(v: View) -> str:
     """Each graph compiled for the target TPU by the real TPU compiler: does it fit, how long it compiles."""
     if not v.tpu:
         return ""
-    target = v.tpu[0][1].target
+    target, by = v.tpu[0][1].target, v.tpu[0][1].answered_by
     bad = any(not e.fits for _, e in v.tpu)
-    title = (f"<div style='color:{BAD if bad else MUTED}'><b>on a {_e(target)}</b> (the TPU compiler's answer, "
-             f"ahead of time, per chip)</div>")
+    title = (f"<div style='color:{BAD if bad else MUTED}'><b>on a {_e(target)}</b> (the TPU compiler's answer"
+             + (f", {_e(by)}" if by else "") + ", ahead of time, per chip)</div>")
     return title + table_html(tpu_rows(v), head=("graph", "fits", "HBM per chip", "TPU compile", "step at best"))
 
 

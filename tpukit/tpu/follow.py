@@ -25,16 +25,18 @@ from .worker import require
 
 def line(est: TpuEstimate) -> str:
     """One line: ``v5e-1: fits, 0.27 GB of 16.91 GB HBM per chip (compiler peak), TPU compile 2.9 s, step >=
-    0.8 ms (compute-bound)``, or the refusal (``does NOT fit (too big)``, ``does NOT fit (does not compile)``)."""
+    0.8 ms (compute-bound) [libtpu 0.0.17, torch_xla 2.8's compiler]``, or the refusal (``does NOT fit (too
+    big)``, ``does NOT fit (does not compile)``) with its largest buffer; the compiler that answered last."""
+    by = f" [{est.answered_by}]" if est.answered_by else ""
     if not est.fits:
         reason = (est.message or "does not fit").splitlines()[0][:160]
         buffers = est.refusal.lines(gb) if est.refusal else []
         why = f"; largest buffer {buffers[0]}" if buffers else ""
         need = f"{gb(est.hbm_bytes)} of " if est.hbm_bytes else ""
         return (f"{est.target}: does NOT fit ({est.status}, {need}{gb(est.hbm_limit_bytes)} HBM per chip): "
-                f"{reason}{why}")
+                f"{reason}{why}{by}")
     return (f"{est.target}: fits, {gb(est.hbm_bytes)} of {gb(est.hbm_limit_bytes)} HBM per chip ({est.hbm_source}), "
-            f"TPU compile {est.compile_s:.1f} s, step >= {est.step_s_min * 1e3:.3g} ms ({est.bound}-bound)")
+            f"TPU compile {est.compile_s:.1f} s, step >= {est.step_s_min * 1e3:.3g} ms ({est.bound}-bound){by}")
 
 
 class Follower:

@@ -82,6 +82,12 @@ class TpuEstimate:
         return "too big" if self.refused_for_memory else "does not compile"
 
     @property
+    def answered_by(self) -> str:
+        """Which compiler answered, short: ``"libtpu 0.0.17, torch_xla 2.8's compiler"`` (``""`` if unknown)."""
+        libtpu = self.compiler.split(" (")[0]
+        return ", ".join(p for p in (libtpu, role(self.compiler_name)) if p)
+
+    @property
     def sum_bytes(self) -> int:
         """arguments + outputs + temporaries + code - aliased: the buffers the compiler lists, all at once."""
         return (self.arguments_bytes + self.outputs_bytes + self.temp_bytes + self.code_bytes
