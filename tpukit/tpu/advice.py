@@ -7,10 +7,12 @@ checkpointing per layer: the step is traced again with each layer's forward
 under torch_xla's checkpoint (:func:`tpukit._xla.hlo.checkpoint`) and compiled,
 and the advice carries the HBM that compile gives. When parameters, gradients
 and optimizer state dominate: FSDP over the target's chips (compiled with every
-argument split over them) and bf16 weights (not checked: that needs the weights
-cast on the device, which an estimate never runs). When the logits of a loss
-dominate: a chunked loss (not checked: it is a change to the step's code).
-Otherwise: a smaller batch (``tpukit.largest_batch`` finds it).
+argument split over them) and bf16 weights (the step traced again with the
+models' floating parameters, buffers, gradients and optimizer state, and the
+batch's floating tensors, in bfloat16, :func:`in_bf16`, and compiled). When the
+logits of a loss dominate: a chunked loss (not checked: it is a change to the
+step's code, the head's projection and the loss together, that the kit cannot
+make for it). Otherwise: a smaller batch (``tpukit.largest_batch`` finds it).
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ import re
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from .. import _tree, _xla
 from .._xla import hlo as _hlo
 from . import worker
 from .memory import MemoryBreakdown, attention_like
-from .record import Suggestion, from_reply
+from .record import Suggestion, TpuCompileError, from_reply
 from .targets import TARGETS, Target
 from .trace import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Traced, _owners, trace
 
 CHECKPOINT = "checkpoint each layer"
+BF16 = "bf16 weights"
+CHUNKED_LOSS = "chunked loss"
 _LOGITS = re.compile(r"log_softmax|cross_entropy|nll_loss")
 DOMINANT = 0.3  # a part of the peak this large is what the advice is about
 
@@ -83,6 +88,80 @@ def checkpointed(modules: list) -> Iterator[None]:
                 m.forward = own
 
 
+def _to_bf16(t: Any) -> Any:
+    """New bfloat16 data of ``t``'s shape on its device: on an XLA device, device data sent from the host
+    (a graph's parameter, as the real weights are; its values are never read: the graph is only compiled),
+    elsewhere ``t`` cast."""
+    import torch
+
+    if _xla.is_xla_tensor(t):
+        return torch.empty(tuple(t.shape), dtype=torch.bfloat16).to(t.device)
+    return t.detach().to(torch.bfloat16)
+
+
+def _castable(t: Any) -> bool:
+    import torch
+
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.bfloat16
+
+
+@contextmanager
+def in_bf16(modules: list, optimizers: list = ()) -> Iterator[int]:
+    """Within it, the state is as ``model.to(torch.bfloat16)`` leaves it: each floating-point parameter and
+    buffer of ``modules`` and each parameter ``optimizers`` hold, with its gradient, holds bfloat16 data, and
+    so does each floating optimizer state tensor of one dimension or more (Adam's moments; not its ``step``
+    counter). As ``Module.to`` does, each tensor's ``.data`` is swapped: the tensor objects stay the ones the
+    model and the optimizer hold, with their ``requires_grad``. The bfloat16 data is new device data whose
+    values are not set (for a trace that is compiled, never run); while it lasts it takes half the cast
+    tensors' size in the device's memory (XLA:CPU's: the host's). Leaving, even on an error, gives every
+    tensor its own data object back: the same dtype, values, ``requires_grad`` and ``.grad`` as before.
+    Yields how many tensors were cast."""
+    import torch
+
+    seen: set[int] = set()
+    order: list = []  # parameters before their gradients: a gradient's dtype follows its parameter's
+
+    def add(t: Any) -> None:
+        if _castable(t) and id(t) not in seen:
+            seen.add(id(t))
+            order.append(t)
+
+    params = [p for m in modules for p in m.parameters()] + \
+        [p for o in optimizers for g in o.param_groups for p in g["params"]]
+    for p in params:
+        add(p)
+        add(p.grad)
+    for m in modules:
+        for b in m.buffers():
+            add(b)
+    for o in optimizers:
+        for st in o.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    add(v)
+    swapped: list = []
+    try:
+        with torch.no_grad():
+            for t in order:
+                data = t.data
+                t.data = _to_bf16(t)
+                swapped.append((t, data))
+        yield len(swapped)
+    finally:
+        with torch.no_grad():
+            for t, data in reversed(swapped):  # gradients first, then their parameters
+                t.data = data
+
+
+def _batch_in_bf16(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The step's arguments with their floating tensors in bfloat16 (new tensors; the caller's are not
+    touched): a model in bf16 takes its batch in bf16."""
+    def cast(t: Any, _path: str) -> Any:
+        return _to_bf16(t) if _castable(t) else t
+
+    return _tree.tree_map(cast, (args, kwargs), _tree.is_tensor)
+
+
 def shares(why: MemoryBreakdown) -> dict[str, float]:
     """The parts of the peak the advice weighs: ``activations``, ``attention`` (activations shaped as scores,
     ``[..., L, L]``), ``state`` (parameters, gradients, optimizer state), ``logits`` (a loss's log-softmax)."""
@@ -93,6 +172,40 @@ def shares(why: MemoryBreakdown) -> dict[str, float]:
             "state": sum(b.bytes for b in why.buffers if b.kind in (PARAMETERS, GRADIENTS, OPTIMIZER)) / whole,
             "logits": sum(b.bytes for b in why.buffers if b.kind in (ACTIVATIONS, TEMPORARIES)
                           and _LOGITS.search(b.op or "")) / whole}
+
+
+def _bf16_checked(step: Callable, args: tuple, kwargs: dict, traced: Traced, tgt: Target, name: str,
+                  compiler: Any) -> tuple[int | None, bool | None, str]:
+    """(HBM, fits, "") of the step compiled with its state and batch in bfloat16 (:func:`in_bf16`), or
+    (None, None, why not) when it could not be traced so. Only the trace runs with the state cast: it is
+    put back before the compile."""
+    mods, opts, _ = _owners(step, args, kwargs)
+    if not mods and not opts:
+        return None, None, "no model or optimizer was found in the step to cast"
+    if traced.num_partitions > 1:
+        return None, None, (f"the step is split over {traced.num_partitions} devices (SPMD), and the bf16 "
+                            "tensors would need their shardings again")
+    a16, kw16 = _batch_in_bf16(args, kwargs)
+    try:
+        with in_bf16(mods, opts):
+            cast = trace(step, a16, kw16)
+    except Exception as exc:  # the step may not run in bf16 as written (an fp32 tensor it makes itself)
+        return None, None, f"tracing the step in bf16 raised {type(exc).__name__}: {_gist(exc)}"
+    try:
+        hbm, fits = _checked(cast, tgt, name, compiler)
+    except TpuCompileError as exc:  # torch_xla traces an fp32 x bf16 matmul without complaint; the compiler not
+        return None, None, (f"the TPU compiler rejected the step in bf16 ({_gist(exc)}; a floating tensor the "
+                            "step reads other than its arguments stays fp32 in the check)")
+    return hbm, fits, ""
+
+
+def _gist(exc: Exception) -> str:
+    """The gist of an error: the compiler's ``error:`` line without its location, else the first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    err = next((line for line in lines if line.startswith("error:")), None)
+    if err is not None:
+        return err.rsplit("]: ", 1)[-1][:200]
+    return lines[0][:200] if lines else type(exc).__name__
 
 
 def _checked(traced: Traced, tgt: Target, name: str, compiler: Any, shard_over: int = 1) -> tuple[int, bool]:
@@ -106,7 +219,12 @@ def advise(why: MemoryBreakdown, step: Callable, args: tuple, kwargs: dict, trac
     """What to change, from what dominates the peak in ``why``, each change compiled when it can be (``check``;
     ``hbm_bytes``/``fits`` stay None when it was not)."""
     part = shares(why)
-    top = max(("activations", "state", "logits"), key=lambda k: part[k])
+    # The logits kept for backward are activations too: they are weighed against the other activations (the
+    # layers' checkpointing does not reach a loss's logits), and win a tie.
+    whole = why.total_bytes or 1
+    weigh = {**part, "activations": sum(b.bytes for b in why.buffers if b.kind == ACTIVATIONS
+                                        and not _LOGITS.search(b.op or "")) / whole}
+    top = max(("logits", "activations", "state"), key=lambda k: weigh[k])
     out: list[Suggestion] = []
     if top == "activations" and part["activations"] >= DOMINANT:
         path, found = layers(step, args, kwargs)
@@ -133,12 +251,21 @@ def advise(why: MemoryBreakdown, step: Callable, args: tuple, kwargs: dict, trac
                                   f"parameters, gradients and optimizer state are {part['state']:.0%} of the peak: "
                                   f"tpukit.fsdp(model, tpukit.mesh()) on {wide.name} splits them over its chips",
                                   hbm, fits))
-        out.append(Suggestion("bf16 weights", "model.to(torch.bfloat16) halves parameters, gradients and optimizer "
-                                              "state (keep an fp32 copy for the update if the loss needs it)"))
+        how = ("model.to(torch.bfloat16) (before the optimizer makes its state) and the batch's floating tensors "
+               "in bf16 halve parameters, gradients and optimizer state (keep an fp32 copy for the update if the "
+               "loss needs it)")
+        hbm = fits = None
+        if check:
+            hbm, fits, why_not = _bf16_checked(step, args, kwargs, traced, tgt, name, compiler)
+            if why_not:
+                how += f"; not checked: {why_not}"
+        out.append(Suggestion(BF16, how, hbm, fits))
     elif top == "logits" and part["logits"] >= DOMINANT:
-        out.append(Suggestion("chunked loss", f"the logits and their log-softmax are {part['logits']:.0%} of the "
-                                              "peak: compute the loss over slices of the sequence (or vocabulary) "
-                                              "so one slice's logits are live at a time"))
+        out.append(Suggestion(CHUNKED_LOSS, f"the logits and their log-softmax are {part['logits']:.0%} of the "
+                                            "peak: compute the loss over slices of the sequence (or vocabulary), "
+                                            "the head's projection inside each slice, so one slice's logits are "
+                                            "live at a time; not checked: that rewrites the step's code (where "
+                                            "the head ends and the loss begins), which the kit cannot do for it"))
     else:
         out.append(Suggestion("smaller batch", "no one part dominates the peak: tpukit.largest_batch(step, "
                                                "make_batch, target) finds the largest batch that fits, and "
