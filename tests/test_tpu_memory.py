@@ -359,3 +359,7 @@ def test_the_whole_refusal_is_read(name, program, first):
     why = memory.from_refusal(r)  # without the trace: kinds from the metadata alone
     assert why.source == memory.REFUSAL and why.total_bytes == r.program_bytes
     assert why.rows()[0].bytes >= 8 * gib and "refusal lists the program's largest allocations" not in (why.note or "")
+    # Its lines name a library's file from site-packages/ on, as the breakdown's rows do (not this machine's path)
+    lines = r.lines()
+    assert all("site-packages/" not in ln for ln in lines) and any(f"made by {first[2]}" in ln or
+                                                                   f"{first[2]}" in ln for ln in lines), lines

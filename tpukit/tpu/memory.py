@@ -32,11 +32,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from .. import _ipython, _text
+from .. import _text
 from . import dump as _dump, envs, worker
 from .compilers import compiler as _compiler
 from .record import Suggestion, TpuEstimate, from_reply, gb
-from .refusal import Refusal
+from .refusal import Refusal, short
 from .targets import Target
 from .trace import ACTIVATIONS, GRADIENTS, INPUTS, OPTIMIZER, OUTPUTS, PARAMETERS, TEMPORARIES, Traced
 
@@ -207,17 +207,6 @@ def _after(s: Suggestion) -> str:
     if s.hbm_bytes is None:
         return " (not checked by a compile)"
     return f" -> {gb(s.hbm_bytes)}, " + ("fits" if s.fits else "still too big") + " (checked by a compile)"
-
-
-def short(source: str) -> str:
-    """A source line for people: a library file from ``site-packages/`` on, a notebook cell as ``[N]:line``."""
-    path, _, line = source.rpartition(":")
-    cell = _ipython.cell_label(path)
-    if cell:
-        return f"{cell}:{line}"
-    if "site-packages/" in path:
-        return path.split("site-packages/", 1)[1] + ":" + line
-    return source
 
 
 def _state_kind(kind: str, name: str) -> tuple[str, str]:

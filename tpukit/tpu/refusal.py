@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from .. import _ipython
 from ._serve import _bytes, memory_figures
 
 _SIZE = r"([\d.]+)\s*([KMGT]?)i?B?"
@@ -80,9 +81,20 @@ class Refusal:
         rows = []
         for a in self.largest():
             share = f" ({a.bytes / whole:.0%} of the program)" if whole else ""
-            where = a.source or a.op_name or a.instruction
+            where = short(a.source) if a.source else a.op_name or a.instruction
             rows.append(f"{size(a.bytes)}{share}: {a.shape}, {a.kind}, made by {where}")
         return rows
+
+
+def short(source: str) -> str:
+    """A source line for people: a library file from ``site-packages/`` on, a notebook cell as ``[N]:line``."""
+    path, _, line = source.rpartition(":")
+    cell = _ipython.cell_label(path)
+    if cell:
+        return f"{cell}:{line}"
+    if "site-packages/" in path:
+        return path.split("site-packages/", 1)[1] + ":" + line
+    return source
 
 
 def _strip_layout(shape: str) -> str:
