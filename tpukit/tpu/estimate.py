@@ -119,8 +119,8 @@ def _suggest(step: Callable, args: tuple, kwargs: dict, tgt: Target, traced: Tra
     if rows and rows > 1:
         fit = _search(lambda b: trace(step, _first_rows(args, b), _first_rows(kwargs, b)), tgt, name,
                       below=rows, steps=2, compiler=compiler)
-        if fit is not None:
-            b, est = fit
+        if fit.batch:
+            b, est = fit.batch, fit.estimate
             out.append(Suggestion(change=f"batch {b}", how=f"the largest batch that fits (of {rows})",
                                   hbm_bytes=est.hbm_bytes, fits=True))
             k = math.ceil(rows / b)
@@ -207,60 +207,90 @@ def _why(est: TpuEstimate, traced: Traced, step: Callable, args: tuple, kwargs: 
 
 @dataclass(frozen=True)
 class BatchFit:
-    """The largest batch that fits on a target, its estimate, and every batch size tried (size, fits)."""
+    """The largest batch that fits on a target, its estimate, every batch size tried (size, fits), the
+    compiler that answered, and whether the search stopped at its limit.
+
+    The answer is bounded by a refusal (:attr:`refused`: the smallest size tried above it that the
+    compiler refused), unless the search reached its limit with that size fitting (``at_limit``): then
+    a larger batch may fit too.
+    """
 
     target: str
     batch: int  # 0 when not even the smallest batch fits
     estimate: TpuEstimate | None
     tried: tuple[tuple[int, bool], ...]
+    compiler: str = ""  # the TPU compiler that answered, as its estimates name it: "libtpu 0.0.17 (jax 0.7.2)"
+    at_limit: bool = False  # the search reached its limit (``batch``) and that size fits: a lower bound
 
     @property
     def refused(self) -> int | None:
         """The smallest size tried above ``batch`` that the compiler refused; None if none was.
 
-        Without one the answer is a lower bound: near a full chip the compiler recomputes to save
-        memory, so HBM stops growing with the batch and a larger batch may fit too.
+        Without one the answer is a lower bound: the compiler's HBM is not monotonic in the batch (near a
+        full chip it recomputes to save memory), so only a refusal bounds the largest batch from above.
         """
         return min((b for b, fits in self.tried if not fits and b > self.batch), default=None)
 
     def __str__(self) -> str:
+        by = f" by {self.compiler}" if self.compiler else ""
         if not self.batch:
-            return f"{self.target}: no batch fits (tried {', '.join(str(b) for b, _ in self.tried)})"
+            return f"{self.target}: no batch fits (tried {', '.join(str(b) for b, _ in self.tried)}){by}"
         e = self.estimate
-        bound = f"{self.refused} refused" if self.refused else "none larger tried, one may fit too"
+        if self.at_limit:
+            bound = f"the search stopped at its limit {self.batch}: a larger batch may fit too"
+        elif self.refused:
+            bound = f"{self.refused} refused"
+        else:
+            bound = "none larger refused: a larger batch may fit too"
         return (f"{self.target}: batch {self.batch} fits ({gb(e.hbm_bytes)} of {gb(e.hbm_limit_bytes)} per chip, "
-                f"step at best {e.step_s_min * 1e3:.1f} ms); {len(self.tried)} compiles, {bound}")
+                f"step at best {e.step_s_min * 1e3:.1f} ms); {len(self.tried)} compiles{by}, {bound}")
+
+
+@dataclass(frozen=True)
+class _Found:
+    """What :func:`_search` found: the largest size that fits (0: none) and its estimate, whether it is the
+    search's limit, and the compiler that answered (its estimates' ``compiler``)."""
+
+    batch: int
+    estimate: TpuEstimate | None
+    at_limit: bool
+    compiler: str
 
 
 def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | None = None,
-            start: int = 1, limit: int = 1 << 20, steps: int = 2, tried: list | None = None, fsdp: bool = False,
-            compiler: Compiler | None = None):
-    """(largest fitting batch, its estimate), or None if not even a batch of 1 fits.
+            start: int = 1, limit: int = 1 << 20, steps: int | None = None, precision: float = 1 / 32,
+            tried: list | None = None, fsdp: bool = False, compiler: Compiler | None = None) -> _Found:
+    """The largest size that fits, bounded by a refused size above it, or the limit when that size fits.
 
-    A size that fits (``start``, or half of ``below``, halved while refused) and one twice as big give
-    the HBM each row costs; ``2 + steps`` more compiles follow the slope between the two largest sizes
-    that fit: towards half the chip, 16 times the size at most, while the largest fills less than a
-    quarter of it (at a few rows, padding and fixed costs hide what a row adds), then towards a full
-    chip. A refused size caps the next guesses: at the geometric mean of a gap wider than 4x (so a
-    slope that was wrong costs compiles, not the answer), just below the refused size otherwise
-    (halfway when there is no slope). It stops at 90 % of the chip's HBM or when the gap is within
-    3 % of the batch. The HBM is the estimate's ``hbm_bytes`` (the compiler's peak when it reports one,
-    which is not monotonic in the batch): a slope that is not positive doubles the size, a size that
-    fits is kept whatever its HBM, and only a refused size bounds the answer from above (the stop at
-    90 % makes it a lower bound, which :attr:`BatchFit.refused` says). Sizes above 8 are multiples
-    of 8. With ``fsdp`` the batch is split over the target's chips: sizes are multiples of the chip
-    count too, and the search starts at 8 rows per chip (fewer are padded to a tile, and their HBM
-    would say nothing of a row).
+    A size that fits (``start``, or half of ``below``, halved while refused) comes first. Each next size
+    follows the HBM: where it reaches the chip's limit by the slope between the two largest sizes that
+    fit, else in proportion to the size (which falls short: it counts fixed costs as rows). While the
+    chip is less than a quarter full the search goes to half the chip, 16 times the size at most (at a
+    few rows, padding and fixed costs hide what a row adds); then just past that edge, so the size is
+    likely refused and bounds the answer closely, then just short of it (the two sizes ``precision``
+    apart). The HBM only guides: it is not monotonic in the batch (the same graph took 15.58 GB at 56
+    rows and 13.74 GB at 64), so a size that fits never ends the search, however full the chip: one that
+    fits where the HBM says the chip is full steps a sixteenth further, twice as far each time, and after
+    two guesses the HBM got wrong the search doubles until refused and bisects. Once a size is refused
+    (``below`` counts as one), it stops when the gap between the largest size that fits and the smallest
+    refused above it is within ``precision`` of the size that fits (or one step of sizes), or after
+    ``steps`` compiles when given; a guess outside the gap gives way to their geometric mean while it is
+    wider than 4x, the middle otherwise. Reaching ``limit`` (``below - 1``) with a size that fits stops
+    the search there (``at_limit``). Sizes above 8 are multiples of 8. With ``fsdp`` the batch is split
+    over the target's chips: sizes are multiples of the chip count too, and the search starts at 8 rows
+    per chip (fewer are padded to a tile, and their HBM would say nothing of a row).
     """
     tried = [] if tried is None else tried
     chips = tgt.chips if fsdp else 1
     unit = math.lcm(8, chips)
     top = below - 1 if below else max(limit, start)
+    label = [""]
 
     def at(b: int) -> TpuEstimate:
         traced = make(b)
         est = _compile(traced, tgt, name, _fsdp(traced, tgt, fsdp), compiler)
         tried.append((b, est.fits))
+        label[0] = est.compiler or label[0]
         return est
 
     def rounded(b: float) -> int:
@@ -268,56 +298,75 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
         return b - b % unit if b > unit else chips * math.ceil(max(b, 1) / chips)
 
     first = max(1, below // 2) if below else min(max(start, 8 * chips) if chips > 1 else start, top)
-    hi, b = below, rounded(first)
+    hi, b = below, min(rounded(first), top)
     while not (est := at(b)).fits:
         if b <= chips:
-            return None
+            return _Found(0, None, False, label[0])
         hi, b = b, rounded(b // 2)
     fitting = [(b, est)]  # sizes that fit, ascending
-    for _ in range(3 + steps):
+    stride = 1 / 16  # the step up from a size that fits where the HBM says the chip is full
+    narrowed = misses = 0  # compiles since a refused size bounded the answer; guesses the HBM got wrong
+    while True:
         lo, best = fitting[-1]
-        if best.hbm_bytes >= 0.9 * best.hbm_limit_bytes or (hi is not None and hi - lo <= max(unit, lo // 32)):
-            break  # the chip is nearly full, or the gap is a few rows
-        guess = None
-        if len(fitting) >= 2:
-            (b0, e0) = fitting[-2]
-            slope = (best.hbm_bytes - e0.hbm_bytes) / (lo - b0)
-            fill = 0.5 if best.hbm_bytes < 0.25 * best.hbm_limit_bytes else 0.98
-            if slope > 0:
-                guess = lo + (fill * best.hbm_limit_bytes - best.hbm_bytes) / slope
-                if fill < 0.9:  # a slope taken where the chip is nearly empty may be far off: grow 16x at most
-                    guess = min(guess, 16 * lo)
-        if guess is None and hi is None:
-            guess = 2 * lo  # a second size, for a slope; or the peak did not grow (it is not monotonic): double
-        if hi is not None:
-            middle = math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2
-            guess = middle if guess is None or (guess > middle and hi > 4 * lo) else min(guess, hi - unit)
-        guess = min(rounded(guess), top)
-        if guess <= lo or (hi is not None and guess >= hi):
+        if hi is None and lo >= top:
+            return _Found(lo, best, True, label[0])  # the limit fits: a larger size may fit too
+        if hi is not None and (hi - lo <= max(unit, lo * precision) or (steps is not None and narrowed >= steps)):
             break
+        full = best.hbm_bytes / best.hbm_limit_bytes if best.hbm_limit_bytes and best.hbm_bytes > 0 else None
+        edge, guess, aimed = None, None, 0  # where the HBM says the chip fills; the next size; its expected side
+        if full is not None:
+            room = best.hbm_limit_bytes - best.hbm_bytes
+            slope = (best.hbm_bytes - fitting[-2][1].hbm_bytes) / (lo - fitting[-2][0]) if len(fitting) > 1 else 0
+            # By the slope between the two largest sizes that fit, else in proportion to the size (which
+            # counts the fixed costs as rows: it falls short).
+            edge = lo + room / slope if slope > 0 else lo / full
+        if edge is None or misses >= 2:
+            pass  # the HBM says nothing, or was wrong twice: bisect
+        elif full < 0.25:  # a slope taken where the chip is nearly empty may be far off: half the chip, 16x at most
+            guess = min(lo + (best.hbm_limit_bytes / 2 - best.hbm_bytes) / slope if slope > 0 else lo / 2 / full,
+                        16.0 * lo)
+        elif edge > lo:
+            half = 0.4 * precision * edge  # the two sizes either side of the edge: within the precision
+            if hi is None or hi > edge + half:
+                guess, aimed = edge + half, -1  # just past the edge: refused, it bounds the answer closely
+            elif lo < edge - half:
+                guess, aimed = edge - half, 1
+        elif hi is None:  # it fits where the HBM says the chip is full (it is not monotonic): step further
+            guess, stride = lo * (1 + stride), min(2 * stride, 1.0)
+        if guess is None:
+            guess = 2.0 * lo if hi is None else math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2
+        guess = min(rounded(max(guess, lo + unit if lo >= unit else lo + 1)), top)
+        if hi is not None and not lo < guess < hi:
+            guess = rounded(math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2)
+            if not lo < guess < hi:
+                break  # no size between them: they are one step of sizes apart
+        narrowed += hi is not None
         got = at(guess)
+        misses += (aimed == -1 and got.fits) or (aimed == 1 and not got.fits)
         if got.fits:
             fitting.append((guess, got))
         else:
             hi = guess
-    return fitting[-1]
+    lo, best = fitting[-1]
+    return _Found(lo, best, False, label[0])
 
 
 def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str | Target | None = None, *,
-                  start: int = 8, limit: int = 1 << 20, bisect: int = 2, fsdp: bool = False,
-                  compiler: str | Compiler | None = None) -> BatchFit:
-    """The largest batch size at which ``step(make_batch(b))`` fits on ``target``, by a few TPU compiles.
+                  start: int = 8, limit: int = 1 << 20, bisect: int | None = None, precision: float = 1 / 32,
+                  fsdp: bool = False, compiler: str | Compiler | None = None) -> BatchFit:
+    """The largest batch size at which ``step(make_batch(b))`` fits on ``target``, by TPU compiles.
 
-    ``make_batch(b)`` returns the step's arguments for a batch of ``b`` rows (a
-    tuple is unpacked, a dict passed as keywords, anything else as the one
-    argument), on the XLA device. Compiles at ``start`` and twice that give the
-    HBM per row; the batches that fill the chip by the slope so far (at most
-    ``limit``) are compiled next, ``3 + bisect`` compiles at most after the
-    first, each size refused narrowing the gap (multiples of 8). Four or five
-    compiles usually answer. ``fsdp=True``: as under ``tpukit.fsdp`` over the target's
-    chips (see :func:`estimate`). Every compile is cached, so asking again is instant.
-    The answer fits; :attr:`BatchFit.refused` says whether a refused size bounds it from above.
-    ``compiler``: which TPU compiler answers, as for :func:`estimate`.
+    ``make_batch(b)`` returns the step's arguments for a batch of ``b`` rows (a tuple is unpacked, a
+    dict passed as keywords, anything else as the one argument), on the XLA device. The search compiles
+    ``start`` (halved while refused), then goes up, guided by the HBM per row so far, until the compiler
+    refuses a size, and narrows the gap between the largest size that fits and the smallest refused
+    above it until it is within ``precision`` of the answer (a fraction of it; 8 rows at least), or
+    after ``bisect`` compiles when given (0: the first refusal ends it). The compiler's HBM is not
+    monotonic in the batch, so only a refusal bounds the answer: :attr:`BatchFit.refused` is that size.
+    At ``limit`` the search stops with that size fitting (:attr:`BatchFit.at_limit`: a larger one may
+    fit too). Sizes above 8 are multiples of 8. ``fsdp=True``: as under ``tpukit.fsdp`` over the
+    target's chips (see :func:`estimate`). Every compile is cached, so asking again is instant.
+    ``compiler``: which TPU compiler answers, as for :func:`estimate`; :attr:`BatchFit.compiler` names it.
     """
     tgt = _resolve(target)
     comp = _compiler(compiler)
@@ -338,8 +387,6 @@ def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str 
         return traced
 
     tried: list[tuple[int, bool]] = []
-    found = _search(make, tgt, name, start=start, limit=limit, steps=bisect, tried=tried, fsdp=fsdp,
-                    compiler=comp)
-    if found is None:
-        return BatchFit(tgt.name, 0, None, tuple(tried))
-    return BatchFit(tgt.name, found[0], found[1], tuple(tried))
+    found = _search(make, tgt, name, start=start, limit=limit, steps=bisect, precision=precision, tried=tried,
+                    fsdp=fsdp, compiler=comp)
+    return BatchFit(tgt.name, found.batch, found.estimate, tuple(tried), found.compiler, found.at_limit)
