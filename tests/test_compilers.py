@@ -294,3 +294,21 @@ def test_compare_reports_a_step_one_compiler_refuses_and_another_accepts(rt, com
     text = str(cmp)
     assert "NO (too big)" in text and "the compilers disagree on v5e-1" in text and "Used 20.5" in text, text
     print(f"\n{text}\ncompile: {HERE.name} {here.compile_s:.0f} s, torch_xla 2.6 {old.compile_s:.0f} s")
+
+
+def test_installed_versions_are_read_again_after_an_install(tmp_path, monkeypatch):
+    """versions() answers from memory while the import path is unchanged, and reads the packages again once a
+    folder of it changed (an install writes a *.dist-info there): a jax installed mid-session is seen."""
+    from tpukit.tpu import _versions
+
+    before = _versions.versions()
+    assert before == tpu.versions() and before["libtpu"], before
+    monkeypatch.syspath_prepend(str(tmp_path))  # an empty folder first on the path: nothing new in it
+    assert _versions.versions() == before
+    info = tmp_path / "libtpu-9.9.9.dist-info"  # what pip writes for an install into that folder
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: libtpu\nVersion: 9.9.9\n")
+    assert _versions.versions() == dict(before, libtpu="9.9.9")
+    (info / "METADATA").unlink()
+    info.rmdir()  # uninstalled
+    assert _versions.versions() == before
