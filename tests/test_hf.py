@@ -250,7 +250,7 @@ def test_callback_target_estimates_the_trainers_graphs_for_that_tpu(rt, tok, exa
     assert {est.target for _, est in view.tpu} == {"v5e-1"} and view.tpu
     from tpukit.widgets import render
     import html
-    assert html.escape(f"the TPU compiler's answer, libtpu {here.libtpu}, {here.name}'s compiler") \
+    assert "the TPU compiler's answer, " + html.escape(f"libtpu {here.libtpu}, {here.name}'s compiler") \
         in render.tpu_html(view)
     assert tpukit.tpu.follower() is None  # the run's target is not left following the next cells' graphs
     with pytest.raises(tpukit.tpu.TargetError, match="v5e-1"):
