@@ -246,20 +246,9 @@ class BatchFit:
                 f"step at best {e.step_s_min * 1e3:.1f} ms); {len(self.tried)} compiles{by}, {bound}")
 
 
-@dataclass(frozen=True)
-class _Found:
-    """What :func:`_search` found: the largest size that fits (0: none) and its estimate, whether it is the
-    search's limit, and the compiler that answered (its estimates' ``compiler``)."""
-
-    batch: int
-    estimate: TpuEstimate | None
-    at_limit: bool
-    compiler: str
-
-
 def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | None = None,
             start: int = 1, limit: int = 1 << 20, steps: int | None = None, precision: float = 1 / 32,
-            tried: list | None = None, fsdp: bool = False, compiler: Compiler | None = None) -> _Found:
+            fsdp: bool = False, compiler: Compiler | None = None) -> BatchFit:
     """The largest size that fits, bounded by a refused size above it, or the limit when that size fits.
 
     A size that fits (``start``, or half of ``below``, halved while refused) comes first. Each next size
@@ -280,7 +269,10 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
     over the target's chips: sizes are multiples of the chip count too, and the search starts at 8 rows
     per chip (fewer are padded to a tile, and their HBM would say nothing of a row).
     """
-    tried = [] if tried is None else tried
+    tried: list[tuple[int, bool]] = []
+
+    def found(batch: int, est: TpuEstimate | None, at_limit: bool) -> BatchFit:
+        return BatchFit(tgt.name, batch, est, tuple(tried), label[0], at_limit)
     chips = tgt.chips if fsdp else 1
     unit = math.lcm(8, chips)
     top = below - 1 if below else max(limit, start)
@@ -301,7 +293,7 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
     hi, b = below, min(rounded(first), top)
     while not (est := at(b)).fits:
         if b <= chips:
-            return _Found(0, None, False, label[0])
+            return found(0, None, False)
         hi, b = b, rounded(b // 2)
     fitting = [(b, est)]  # sizes that fit, ascending
     stride = 1 / 16  # the step up from a size that fits where the HBM says the chip is full
@@ -309,7 +301,7 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
     while True:
         lo, best = fitting[-1]
         if hi is None and lo >= top:
-            return _Found(lo, best, True, label[0])  # the limit fits: a larger size may fit too
+            return found(lo, best, True)  # the limit fits: a larger size may fit too
         if hi is not None and (hi - lo <= max(unit, lo * precision) or (steps is not None and narrowed >= steps)):
             break
         full = best.hbm_bytes / best.hbm_limit_bytes if best.hbm_limit_bytes and best.hbm_bytes > 0 else None
@@ -348,7 +340,7 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
         else:
             hi = guess
     lo, best = fitting[-1]
-    return _Found(lo, best, False, label[0])
+    return found(lo, best, False)
 
 
 def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str | Target | None = None, *,
@@ -386,7 +378,5 @@ def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str 
             _check(traced, name, "tpukit.largest_batch")
         return traced
 
-    tried: list[tuple[int, bool]] = []
-    found = _search(make, tgt, name, start=start, limit=limit, steps=bisect, precision=precision, tried=tried,
-                    fsdp=fsdp, compiler=comp)
-    return BatchFit(tgt.name, found.batch, found.estimate, tuple(tried), found.compiler, found.at_limit)
+    return _search(make, tgt, name, start=start, limit=limit, steps=bisect, precision=precision, fsdp=fsdp,
+                   compiler=comp)
