@@ -206,6 +206,45 @@ def test_the_same_graph_is_compiled_once(rt):
     assert future.result(timeout=300).fits
 
 
+CELL = """
+model = mlp(80, 208)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+def step(x):
+    loss = model(x).square().mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return loss
+"""
+
+
+def test_a_notebook_cells_step_is_the_caches_answer_after_a_kernel_restart(rt):
+    """The graph's op metadata names each op's file, and a notebook cell's file is in a folder named by its
+    kernel's process id: the same cell in a restarted kernel (another id) is the cache's answer; an edited
+    cell (another file name) is a new question."""
+    from tpukit.tpu import trace, worker
+
+    def cell(kernel_pid, name="3120539446.py"):  # ipykernel's file for a cell: <tmp>/ipykernel_<pid>/<hash>.py
+        scope = {"mlp": mlp, "torch": torch}
+        exec(compile(CELL, f"/tmp/ipykernel_{kernel_pid}/{name}", "exec"), scope)
+        return scope["step"]
+
+    x = torch.randn(4, 80, device=_xla.device())
+    before_restart, after_restart, edited = cell(1111), cell(2222), cell(2222, "981220374.py")
+    hlos = [trace.trace(step, (x,), {}).hlo for step in (before_restart, after_restart, edited)]
+    assert b"/tmp/ipykernel_1111/3120539446.py" in hlos[0] and b"ipykernel_2222" in hlos[1]  # what the key meets
+    keys = [worker.Request(hlo, tpu.target("v5e-1")).key() for hlo in hlos]
+    assert keys[0] == keys[1] != keys[2]
+
+    first = tpukit.estimate(before_restart, x, target="v5e-1")
+    info = tpu.cache_info()
+    again = tpukit.estimate(after_restart, x, target="v5e-1")
+    after = tpu.cache_info()
+    assert after["hits"] == info["hits"] + 1 and after["misses"] == info["misses"], (info, after)
+    assert again == first
+
+
 def test_the_same_graph_asked_for_twice_at_once_is_compiled_once(rt):
     """Two threads ask for one graph and target together (``%%xla`` and the follower do): the second waits
     for the first's compile instead of compiling it again, and both get its answer."""

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -113,6 +114,8 @@ def require(compiler: "str | Compiler | None" = None) -> dict[str, str]:
 # What a reply holds: 2 added the compiler's peak (``peak_bytes``). Part of the cache key, so answers kept
 # before a change are compiled again rather than read without the new figures.
 _REPLY_FORMAT = 2
+# A Jupyter kernel's folder for its cells' code (ipykernel's compiler: one per kernel process).
+_KERNEL_FOLDER = re.compile(rb"ipykernel_[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -131,8 +134,12 @@ class Request:
         return self.compiler.versions() if self.compiler is not None else versions()
 
     def key(self) -> str:
-        """The cache key: the graph, the compile settings, the compiler's flags and versions."""
-        h = hashlib.sha256(self.hlo)
+        """The cache key: the graph, the compile settings, the compiler's flags and versions.
+
+        The graph's op metadata names the file of each op's source line, and a notebook cell's file is
+        ``<tmp>/ipykernel_<pid>/<hash of the cell>.py``: the kernel's process id is left out of the key, so
+        that the same cell asks the same question after a kernel restart (an edited cell is another file)."""
+        h = hashlib.sha256(_KERNEL_FOLDER.sub(b"ipykernel", self.hlo))
         settings = [self.target.topology, self.target.host_bounds, self.devices, self.num_partitions,
                     self.aliases, self.shard_over, sorted(self.versions().items()), sorted(self.flags.items()),
                     os.environ.get("LIBTPU_INIT_ARGS", ""), _REPLY_FORMAT]
