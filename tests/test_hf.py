@@ -253,5 +253,12 @@ def test_callback_target_estimates_the_trainers_graphs_for_that_tpu(rt, tok, exa
     assert "the TPU compiler's answer, " + html.escape(f"libtpu {here.libtpu}, {here.name}'s compiler") \
         in render.tpu_html(view)
     assert tpukit.tpu.follower() is None  # the run's target is not left following the next cells' graphs
+    # ... nor its graphs' HLO kept for it: a dashboard of a later loop would wait for answers nobody computes
+    # (and never stop listening), as test_dashboard's loop did after this test
+    assert not tpukit.compiles.reader().hlo.protos
+    later = tpukit.track(range(2), dashboard=True, progress=False)
+    for _ in later:
+        (torch.ones(3, 5, device=rt.device) * 7).sum()
+    assert later.dashboard not in tpukit.events.listeners() and not later.dashboard.running
     with pytest.raises(tpukit.tpu.TargetError, match="v5e-1"):
         tpukit.hf.Callback(target="v9-1")

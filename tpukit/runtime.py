@@ -254,6 +254,22 @@ def _follow(name: str | None, compiler: str | None = None) -> str | None:
     return found.name
 
 
+def follow(again: "tpu.Follower") -> None:
+    """Send the graphs recorded from now on to ``again`` (a target's follower :func:`unfollow` stopped), their
+    HLO kept for it."""
+    tpu.follow(again)
+    if compiles.tracing_enabled():
+        compiles.reader().keep_protos()
+
+
+def unfollow(which: "tpu.Follower | None" = None) -> None:
+    """Stop the target's follower (``which``: only if it is still the one). With no follower left, the graphs'
+    HLO is no longer kept: nothing would compile it, and a dashboard would wait for its answers."""
+    tpu.unfollow(which)
+    if tpu.follower() is None and compiles.tracing_enabled():
+        compiles.reader().keep_protos(False)
+
+
 def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = False,
           compile_cache: str | bool | None = None, trace_compiles: bool = True, target: str | None = None,
           compiler: str | None = None) -> Runtime:

@@ -161,10 +161,10 @@ class Reader:
                 return ev if ev.end is None else None
         return None
 
-    def keep_protos(self) -> None:
+    def keep_protos(self, on: bool = True) -> None:
         """From now on, keep each graph's ``HloModuleProto`` on its event (``event.graph.proto``), for
-        a consumer that compiles it again (the TPU target's compiler)."""
-        self.hlo.protos = True
+        a consumer that compiles it again (the TPU target's compiler); ``on=False``: no longer."""
+        self.hlo.protos = on
 
     def add_seen(self, cause: str, frames: tuple[Frame, ...], counts: tuple[int, int], place: tuple,
                  inputs: classify.Signature, start: float, end: float) -> CompileEvent:

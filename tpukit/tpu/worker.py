@@ -114,7 +114,7 @@ def require(compiler: "str | Compiler | None" = None) -> dict[str, str]:
 # What a reply holds: 2 added the compiler's peak (``peak_bytes``). Part of the cache key, so answers kept
 # before a change are compiled again rather than read without the new figures.
 _REPLY_FORMAT = 2
-# A Jupyter kernel's folder for its cells' code (ipykernel's compiler: one per kernel process).
+# The folder of a Jupyter kernel's cells' files (ipykernel: <tmp>/ipykernel_<pid>/<hash of the cell>.py).
 _KERNEL_FOLDER = re.compile(rb"ipykernel_[0-9]+")
 
 
@@ -134,11 +134,8 @@ class Request:
         return self.compiler.versions() if self.compiler is not None else versions()
 
     def key(self) -> str:
-        """The cache key: the graph, the compile settings, the compiler's flags and versions.
-
-        The graph's op metadata names the file of each op's source line, and a notebook cell's file is
-        ``<tmp>/ipykernel_<pid>/<hash of the cell>.py``: the kernel's process id is left out of the key, so
-        that the same cell asks the same question after a kernel restart (an edited cell is another file)."""
+        """The cache key: the graph (its ops' files without a kernel's process id: the same notebook cell
+        asks the same after a kernel restart; an edited cell is another file), the settings, the compiler."""
         h = hashlib.sha256(_KERNEL_FOLDER.sub(b"ipykernel", self.hlo))
         settings = [self.target.topology, self.target.host_bounds, self.devices, self.num_partitions,
                     self.aliases, self.shard_over, sorted(self.versions().items()), sorted(self.flags.items()),
