@@ -205,6 +205,9 @@ def main() -> None:
             if e is not None:
                 row.update(hbm_gb=e.hbm_bytes / 1e9, limit_gb=e.hbm_limit_bytes / 1e9, compile_s=e.compile_s,
                            step_ms_min=e.step_s_min * 1e3, bound=e.bound, answered_by=e.answered_by,
+                           hbm_source=e.hbm_source, arguments_gb=e.arguments_bytes / 1e9,
+                           outputs_gb=e.outputs_bytes / 1e9, aliased_gb=e.aliased_bytes / 1e9,
+                           temp_gb=e.temp_bytes / 1e9,
                            tokens_per_s_max=fit.batch * SEQ / e.step_s_min if e.step_s_min else None)
             pair = f"{target}{' FSDP' if fsdp else ''} {kind}"
             old = res["largest"].get(pair)
