@@ -157,10 +157,8 @@ def main() -> None:
     if os.path.exists(RESULTS):  # keep what earlier runs computed
         with open(RESULTS) as f:
             out = json.load(f)
-    import torch_xla
-
-    out["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
-                      "torch_xla": torch_xla.__version__}  # each row names its own TPU compiler
+    out["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),  # each row names its compiler
+                      "torch_xla": tpukit.environment.versions()["torch_xla"]}
     for name in args.models:
         res: dict = out["models"].setdefault(name, {})
         model, step = make_step(name, torch.float32, dev)

@@ -327,8 +327,8 @@ def test_refreshes_are_throttled_to_two_per_second(rt, opened):
         events.call("on_step", record(n, loss=1.0 / n))
         time.sleep(0.004)
     t1 = time.monotonic()
-    in_window = [t for t in d.render_times if t0 <= t < t1]
-    assert 1 <= len(in_window) <= 1 + int((t1 - t0) * 2), (in_window, t1 - t0)  # two a second, the first at once
+    in_window = [t for t in d.render_times if t0 <= t < min(t1, t0 + 1.0)]  # its first second
+    assert 1 <= len(in_window) <= 2, in_window
     assert wait_for(lambda: d.view().steps == n)
     gaps = [b - a for a, b in zip(d.render_times, list(d.render_times)[1:])]
     assert all(g >= 0.5 - 1e-6 for g in gaps), gaps
