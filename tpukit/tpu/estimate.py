@@ -249,9 +249,21 @@ class BatchFit:
 def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | None = None,
             start: int = 1, limit: int = 1 << 20, steps: int | None = None, precision: float = 1 / 32,
             fsdp: bool = False, compiler: Compiler | None = None) -> BatchFit:
+    """The largest size that fits on ``tgt``: :func:`_sizes`, each size traced by ``make`` and compiled."""
+    def at(b: int) -> TpuEstimate:
+        traced = make(b)
+        return _compile(traced, tgt, name, _fsdp(traced, tgt, fsdp), compiler)
+
+    return _sizes(at, tgt.name, tgt.chips if fsdp else 1, below=below, start=start, limit=limit, steps=steps,
+                  precision=precision)
+
+
+def _sizes(at: Callable[[int], TpuEstimate], target: str, chips: int = 1, below: int | None = None,
+           start: int = 1, limit: int = 1 << 20, steps: int | None = None, precision: float = 1 / 32) -> BatchFit:
     """The largest size that fits, bounded by a refused size above it, or the limit when that size fits.
 
-    A size that fits (``start``, or half of ``below``, halved while refused) comes first. Each next size
+    ``at(b)`` is the compiler's answer for ``b`` rows. A size that fits (``start``, or half of ``below``,
+    halved while refused) comes first. Each next size
     follows the HBM: where it reaches the chip's limit by the slope between the two largest sizes that
     fit, else in proportion to the size (which falls short: it counts fixed costs as rows). While the
     chip is less than a quarter full the search goes to half the chip, 16 times the size at most (at a
@@ -263,24 +275,25 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
     two guesses the HBM got wrong the search doubles until refused and bisects. Once a size is refused
     (``below`` counts as one), it stops when the gap between the largest size that fits and the smallest
     refused above it is within ``precision`` of the size that fits (or one step of sizes), or after
-    ``steps`` compiles when given; a guess outside the gap gives way to their geometric mean while it is
+    ``steps`` compiles when given, once the refused size is at most twice the one that fits (a wider gap
+    is narrowed further whatever ``steps`` says: BERT-large's fp32 step fit at 8 rows and was refused at
+    184, both of the HBM's guesses wrong, and "8 fits" said nothing of the 64 that fit); a guess outside
+    the gap gives way to their geometric mean while it is
     wider than 4x, the middle otherwise. Reaching ``limit`` (``below - 1``) with a size that fits stops
-    the search there (``at_limit``). Sizes above 8 are multiples of 8. With ``fsdp`` the batch is split
-    over the target's chips: sizes are multiples of the chip count too, and the search starts at 8 rows
+    the search there (``at_limit``). Sizes above 8 are multiples of 8. With ``chips`` (FSDP) the batch is
+    split over that many chips: sizes are multiples of the chip count too, and the search starts at 8 rows
     per chip (fewer are padded to a tile, and their HBM would say nothing of a row).
     """
     tried: list[tuple[int, bool]] = []
 
     def found(batch: int, est: TpuEstimate | None, at_limit: bool) -> BatchFit:
-        return BatchFit(tgt.name, batch, est, tuple(tried), label[0], at_limit)
-    chips = tgt.chips if fsdp else 1
+        return BatchFit(target, batch, est, tuple(tried), label[0], at_limit)
     unit = math.lcm(8, chips)
     top = below - 1 if below else max(limit, start)
     label = [""]
 
-    def at(b: int) -> TpuEstimate:
-        traced = make(b)
-        est = _compile(traced, tgt, name, _fsdp(traced, tgt, fsdp), compiler)
+    def compiled(b: int) -> TpuEstimate:
+        est = at(b)
         tried.append((b, est.fits))
         label[0] = est.compiler or label[0]
         return est
@@ -291,7 +304,7 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
 
     first = max(1, below // 2) if below else min(max(start, 8 * chips) if chips > 1 else start, top)
     hi, b = below, min(rounded(first), top)
-    while not (est := at(b)).fits:
+    while not (est := compiled(b)).fits:
         if b <= chips:
             return found(0, None, False)
         hi, b = b, rounded(b // 2)
@@ -302,7 +315,8 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
         lo, best = fitting[-1]
         if hi is None and lo >= top:
             return found(lo, best, True)  # the limit fits: a larger size may fit too
-        if hi is not None and (hi - lo <= max(unit, lo * precision) or (steps is not None and narrowed >= steps)):
+        spent = steps is not None and narrowed >= steps and hi is not None and hi <= 2 * lo
+        if hi is not None and (hi - lo <= max(unit, lo * precision) or spent):
             break
         full = best.hbm_bytes / best.hbm_limit_bytes if best.hbm_limit_bytes and best.hbm_bytes > 0 else None
         edge, guess, aimed = None, None, 0  # where the HBM says the chip fills; the next size; its expected side
@@ -333,7 +347,7 @@ def _search(make: Callable[[int], Traced], tgt: Target, name: str, below: int | 
             if not lo < guess < hi:
                 break  # no size between them: they are one step of sizes apart
         narrowed += hi is not None
-        got = at(guess)
+        got = compiled(guess)
         misses += (aimed == -1 and got.fits) or (aimed == 1 and not got.fits)
         if got.fits:
             fitting.append((guess, got))
@@ -353,7 +367,8 @@ def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str 
     ``start`` (halved while refused), then goes up, guided by the HBM per row so far, until the compiler
     refuses a size, and narrows the gap between the largest size that fits and the smallest refused
     above it until it is within ``precision`` of the answer (a fraction of it; 8 rows at least), or
-    after ``bisect`` compiles when given (0: the first refusal ends it). The compiler's HBM is not
+    after ``bisect`` compiles when given (0: the first refusal ends it) once the refused size is at most twice
+    the answer (a wider gap is narrowed further). The compiler's HBM is not
     monotonic in the batch, so only a refusal bounds the answer: :attr:`BatchFit.refused` is that size.
     At ``limit`` the search stops with that size fitting (:attr:`BatchFit.at_limit`: a larger one may
     fit too). Sizes above 8 are multiples of 8. ``fsdp=True``: as under ``tpukit.fsdp`` over the
