@@ -171,8 +171,10 @@ def test_an_estimate_by_another_compiler_runs_in_its_environment(rt, other):
     try:
         assert mine.compiler == comp and tpu.follow("v5e-1", OTHER) is mine and tpu.follower() is mine
         assert tpu.follow("v5e-1").compiler.name == HERE.name and tpu.follower() is not mine
+        assert tpukit.compiles.reader().hlo.protos  # the graphs keep their HLO for the follower ...
     finally:
         tpu.unfollow()
+    assert not tpukit.compiles.reader().hlo.protos  # ... and no longer once it is stopped, however it was
 
 
 def test_an_environment_is_built_once_and_atomically(other, compilers_dir):

@@ -353,8 +353,18 @@ import contextlib, io
 out = io.StringIO()
 with contextlib.redirect_stdout(out):
     shell.run_cell("%%xla --target v5e-8\\nimport torch\\ny = (torch.ones(16, 16, device='xla') @ torch.ones(16, 16, device='xla')).sum()\\n")
+# The follower stopped by hand: nothing compiles the graphs for a TPU now, so they no longer keep their HLO
+# (a dashboard would wait for their answers); a %%xla --target cell keeps it for its own graphs only.
+from tpukit import compiles
+tpukit.tpu.unfollow()
+kept = {"after_unfollow": compiles.reader().hlo.protos}
+alone = io.StringIO()
+with contextlib.redirect_stdout(alone):
+    shell.run_cell("%%xla --target v5e-8\\nimport torch\\ny = (torch.ones(8, 8, device='xla') * 3).sum()\\n")
+kept.update(after_cell=compiles.reader().hlo.protos, cell=alone.getvalue())
 print("RESULT " + json.dumps({"target": rt.target, "got": got, "events": events_, "cell": out.getvalue(),
-                              "report": rt.report(), "dashboard": shown, "summary": summary_tpu, "late": late}))
+                              "report": rt.report(), "dashboard": shown, "summary": summary_tpu, "late": late,
+                              "kept": kept}))
 """
 
 
@@ -395,6 +405,9 @@ def test_with_a_target_every_graph_is_compiled_for_it_in_the_background():
     cell = out["cell"]
     assert "%%xla --target v5e-8: each graph compiled by the TPU compiler" in cell, cell
     assert "v5e-8: fits" in cell and "HBM per chip" in cell and by in cell, cell
+    kept = out["kept"]  # with no follower, graphs keep their HLO only inside a %%xla --target cell
+    assert not kept["after_unfollow"] and not kept["after_cell"], kept
+    assert "%%xla --target v5e-8: each graph compiled" in kept["cell"] and "v5e-8: fits" in kept["cell"], kept
 
 
 def test_a_process_removes_its_trace_and_dump_and_sweeps_those_of_dead_ones(tmp_path):

@@ -206,6 +206,9 @@ def _explain(events: list, delta: Any) -> str:
     return "\n".join(out)
 
 
+XLA_CELL = "%%xla --target"  # the owner of the graphs' HLO while such a cell runs (Reader.keep_protos)
+
+
 def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
     """``%%xla``: run the cell, sync, print what it cost; the value of a last expression."""
     __tracebackhide__ = True
@@ -214,24 +217,31 @@ def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
     number = _cell_number(shell)
     code, last, _name = _compile_cell(shell, line, cell, number)
     # --target, else the runtime's (setup(target=...)): checked before the cell runs; its graphs keep their HLO
+    # for this cell (a follower keeps them for its own graphs)
     target = runtime.tpu_target(args.target, ready=True)
+    keep = target is not None and compiles.tracing_enabled()
+    if keep:
+        compiles.reader().keep_protos(XLA_CELL)
+    try:
+        before = _synced_snapshot()  # earlier cells' pending work is theirs, not this cell's
+        first_event = compiles.mark()
+        outside = _outside_tensors(shell, [code, last])
+        exec(code, shell.user_global_ns, shell.user_ns)
+        value = eval(last, shell.user_global_ns, shell.user_ns) if last is not None else None
+        outside = {n: t for n, t in outside.items() if shell.user_ns.get(n) is t}  # not bound again by the cell
+        sync_from = compiles.mark()
+        hlo = _pending_hlo_report(shell) if args.hlo and _xla.runtime_initialized() else None
+        if _xla.runtime_initialized():
+            # The closing sync, called here and not in a helper: torch_xla records only the innermost
+            # frames (8 by default) and the cell's own frame must stay among them.
+            _xla.sync(wait=True)
+            _xla.wait_device_ops()
+        delta = snapshot_now() - before
 
-    before = _synced_snapshot()  # earlier cells' pending work is theirs, not this cell's
-    first_event = compiles.mark()
-    outside = _outside_tensors(shell, [code, last])
-    exec(code, shell.user_global_ns, shell.user_ns)
-    value = eval(last, shell.user_global_ns, shell.user_ns) if last is not None else None
-    outside = {n: t for n, t in outside.items() if shell.user_ns.get(n) is t}  # not bound again by the cell
-    sync_from = compiles.mark()
-    hlo = _pending_hlo_report(shell) if args.hlo and _xla.runtime_initialized() else None
-    if _xla.runtime_initialized():
-        # The closing sync, called here and not in a helper: torch_xla records only the innermost
-        # frames (8 by default) and the cell's own frame must stay among them.
-        _xla.sync(wait=True)
-        _xla.wait_device_ops()
-    delta = snapshot_now() - before
-
-    found = compiles.settled(since=first_event) if not args.quiet or args.max_compiles is not None else []
+        found = compiles.settled(since=first_event) if not args.quiet or args.max_compiles is not None else []
+    finally:  # read: every graph of the cell has its HLO
+        if keep:
+            compiles.reader().keep_protos(XLA_CELL, False)
     lines = _cell_event_lines(found, sync_from, number, delta, outside)
     explain = _explain(found, delta) if args.explain and not args.quiet else None
     if hlo is not None and not args.quiet:

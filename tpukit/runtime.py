@@ -212,8 +212,7 @@ def tpu_target(name: "str | tpu.Target | None" = None, ready: bool = False) -> "
     ``$TPUKIT_TARGET``; None when there is none. The runtime owns the target and every consumer reads it
     here: ``tpukit.estimate`` and ``largest_batch`` without ``target=``, the follower ``setup`` registers,
     ``%%xla``, the Trainer callback. An unknown name raises, listing the known targets. ``ready=True``
-    also checks that the TPU compiler is installed (else a clear error with the install line) and keeps
-    the HLO of the graphs recorded from now on, for it to compile."""
+    also checks that the TPU compiler is installed (else a clear error with the install line)."""
     if name is None:
         rt = current()
         name = (rt.target if rt is not None else None) or os.environ.get(TARGET_ENV, "").strip() or None
@@ -222,8 +221,6 @@ def tpu_target(name: "str | tpu.Target | None" = None, ready: bool = False) -> "
     found = tpu.target(name)
     if ready:
         tpu.require()
-        if compiles.tracing_enabled():
-            compiles.reader().keep_protos()
     return found
 
 
@@ -254,20 +251,14 @@ def _follow(name: str | None, compiler: str | None = None) -> str | None:
     return found.name
 
 
-def follow(again: "tpu.Follower") -> None:
-    """Send the graphs recorded from now on to ``again`` (a target's follower :func:`unfollow` stopped), their
-    HLO kept for it."""
-    tpu.follow(again)
+def _keep_protos_for_follower(on: bool) -> None:
+    """The graphs keep their HLO while a target's follower is registered (it compiles them for the TPU); with
+    none, no longer: nothing would compile them, and a dashboard would wait for their answers."""
     if compiles.tracing_enabled():
-        compiles.reader().keep_protos()
+        compiles.reader().keep_protos("tpu follower", on)
 
 
-def unfollow(which: "tpu.Follower | None" = None) -> None:
-    """Stop the target's follower (``which``: only if it is still the one). With no follower left, the graphs'
-    HLO is no longer kept: nothing would compile it, and a dashboard would wait for its answers."""
-    tpu.unfollow(which)
-    if tpu.follower() is None and compiles.tracing_enabled():
-        compiles.reader().keep_protos(False)
+tpu.watch_follower(_keep_protos_for_follower)
 
 
 def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = False,

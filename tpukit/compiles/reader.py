@@ -50,6 +50,7 @@ class Reader:
     def __init__(self, path: str | None, hlo_dir: str | None = None):
         self.path = path
         self.hlo = graphs.HloDump(hlo_dir)
+        self._proto_owners: set[str] = set()  # who wants each graph's HLO kept (keep_protos)
         self.classifier = classify.Classifier()
         self._cond = threading.Condition(threading.RLock())
         self._wake = threading.Event()
@@ -161,10 +162,15 @@ class Reader:
                 return ev if ev.end is None else None
         return None
 
-    def keep_protos(self, on: bool = True) -> None:
-        """From now on, keep each graph's ``HloModuleProto`` on its event (``event.graph.proto``), for
-        a consumer that compiles it again (the TPU target's compiler); ``on=False``: no longer."""
-        self.hlo.protos = on
+    def keep_protos(self, owner: str, on: bool = True) -> None:
+        """From now on, keep each graph's ``HloModuleProto`` on its event (``event.graph.proto``) for
+        ``owner``, a consumer that compiles it again (the TPU target's follower, a ``%%xla --target``
+        cell); ``on=False``: no longer for it. They are kept while any owner wants them: each new one
+        costs memory for the rest of the session, and a graph with its HLO counts as sent to a TPU
+        compiler (a dashboard waits for its answer)."""
+        with self._cond:
+            (self._proto_owners.add if on else self._proto_owners.discard)(owner)
+            self.hlo.protos = bool(self._proto_owners)
 
     def add_seen(self, cause: str, frames: tuple[Frame, ...], counts: tuple[int, int], place: tuple,
                  inputs: classify.Signature, start: float, end: float) -> CompileEvent:

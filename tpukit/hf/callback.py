@@ -159,9 +159,9 @@ class CallbackLogic:
             before, mine = self._followed
             self._followed = None
             if before is not mine:
-                runtime.unfollow(mine)
+                tpu.unfollow(mine)
                 if before is not None:
-                    runtime.follow(before)
+                    tpu.follow(before)
 
     def place(self, event: Any) -> str:
         """Where a compile happened, in the Trainer's terms (its training step or its evaluation, then

@@ -26,7 +26,7 @@ from .compare import Comparison, compare
 from .compilers import RUNTIMES, Compiler, CompilerError, compiler
 from .envs import CompilerEnvError
 from .estimate import BatchFit, estimate, largest_batch
-from .follow import Follower, follow, follower, line, unfollow
+from .follow import Follower, follow, follower, line, unfollow, watch_follower
 from .graphs import bucket_costs, compile_graph, compile_graph_async
 from .memory import Buffer, MemoryBreakdown, MemoryRow
 from .record import Suggestion, TpuCompileError, TpuEstimate, gb

@@ -116,6 +116,19 @@ class Follower:
 
 _FOLLOWER: list[Follower] = []
 _LOCK = threading.Lock()
+_WATCHERS: list[Any] = []  # called with whether a follower is registered, after each change
+
+
+def watch_follower(fn: Any) -> None:
+    """Call ``fn(on)`` after each :func:`follow` and :func:`unfollow`, ``on`` whether a follower is
+    registered: the runtime keeps the graphs' HLO while one is (this package does not read the graphs)."""
+    _WATCHERS.append(fn)
+
+
+def _changed() -> None:
+    on = bool(_FOLLOWER)
+    for fn in list(_WATCHERS):
+        fn(on)
 
 
 def follow(target: str | Target | Follower, compiler: str | Compiler | None = None) -> Follower:
@@ -133,7 +146,9 @@ def follow(target: str | Target | Follower, compiler: str | Compiler | None = No
         for old in _FOLLOWER:
             events.remove_listener(old)
         _FOLLOWER[:] = [given or Follower(tgt, comp)]
-    return events.add_listener(_FOLLOWER[0])
+        new = _FOLLOWER[0]
+    _changed()  # the graphs recorded from now on keep their HLO, before the follower hears of any
+    return events.add_listener(new)
 
 
 def follower() -> Follower | None:
@@ -149,3 +164,4 @@ def unfollow(which: Follower | None = None) -> None:
             if which is None or old is which:
                 events.remove_listener(old)
                 _FOLLOWER.remove(old)
+    _changed()
