@@ -219,10 +219,7 @@ def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
     # --target, else the runtime's (setup(target=...)): checked before the cell runs; its graphs keep their HLO
     # for this cell (a follower keeps them for its own graphs)
     target = runtime.tpu_target(args.target, ready=True)
-    keep = target is not None and compiles.tracing_enabled()
-    if keep:
-        compiles.reader().keep_protos(XLA_CELL)
-    try:
+    with compiles.hlo_kept(XLA_CELL if target is not None else None):  # until every graph of the cell is read
         before = _synced_snapshot()  # earlier cells' pending work is theirs, not this cell's
         first_event = compiles.mark()
         outside = _outside_tensors(shell, [code, last])
@@ -239,9 +236,6 @@ def xla(shell: Any, args: Any, line: str, cell: str) -> Any:
         delta = snapshot_now() - before
 
         found = compiles.settled(since=first_event) if not args.quiet or args.max_compiles is not None else []
-    finally:  # read: every graph of the cell has its HLO
-        if keep:
-            compiles.reader().keep_protos(XLA_CELL, False)
     lines = _cell_event_lines(found, sync_from, number, delta, outside)
     explain = _explain(found, delta) if args.explain and not args.quiet else None
     if hlo is not None and not args.quiet:

@@ -12,6 +12,9 @@ Consumers listen (``on_compile``) or ask for :func:`settled` events; nobody else
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 from . import config
 from .classify import EXPECTED, KINDS, NEW, RECOMPILATION
 from .context import LoopContext, flush, own
@@ -20,7 +23,7 @@ from .frames import Frame
 from .reader import Reader, reader
 
 __all__ = ["CompileEvent", "Mark", "Frame", "LoopContext", "own", "flush", "Reader", "describe", "reader", "configure", "trace_file",
-           "tracing_enabled", "compiling_now", "mark", "settled", "event_count", "events_since",
+           "tracing_enabled", "hlo_kept", "compiling_now", "mark", "settled", "event_count", "events_since",
            "NEW", "EXPECTED", "RECOMPILATION", "KINDS", "PENDING", "EAGER_NOTE", "FORCED_CAUSE", "FLUSH_CUT"]
 
 
@@ -31,6 +34,20 @@ def configure(runtime_imported: bool) -> tuple[str | None, list[str]]:
     if trace:
         reader()
     return trace, problems
+
+
+@contextmanager
+def hlo_kept(owner: str | None) -> Iterator[None]:
+    """Inside the block, each graph recorded keeps its HLO for ``owner`` (a consumer that compiles it again,
+    :meth:`Reader.keep_protos`); None, or tracing off: nothing is kept."""
+    keep = owner is not None and tracing_enabled()
+    if keep:
+        reader().keep_protos(owner)
+    try:
+        yield
+    finally:
+        if keep:
+            reader().keep_protos(owner, False)
 
 
 def trace_file() -> str | None:
