@@ -267,6 +267,44 @@ def test_checkpointing_advice_lowers_the_peak_in_a_checked_compile(attention_est
     assert "checked by a compile" in str(est.memory)
 
 
+def test_a_language_models_logits_are_advised_a_chunked_loss_checked_by_a_compile(rt):
+    # transformers' own GPT-2 (random init: 2 layers of 64, its 50257-token vocabulary) at 8 x 512 tokens, its
+    # loss from labels as the model computes it: the head's logits, f32[4096, 50257] and their gradient, are
+    # most of the peak. They are made by lm_head's Linear (no log-softmax op names them), and the advice is a
+    # chunked loss, compiled: the step traced again with the head and the loss in slices.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=512)).to(_xla.device())
+    opt = torch.optim.AdamW(model.parameters())
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    ids = torch.randint(0, 50257, (8, 512)).to(_xla.device())
+    est = tpukit.estimate(step, ids, target="v5e-1", memory=True)
+    top = est.memory.rows()[0]
+    assert top.modules == ("lm_head",) and "f32[4096,50257]" in top.shapes and top.bytes > est.hbm_bytes / 2, top
+    (tip,) = est.memory.advice
+    assert tip.change == advice.CHUNKED_LOSS and "checked as lm_head" in tip.how, tip
+    assert tip.fits and tip.hbm_bytes < est.hbm_bytes / 2, (tip.hbm_bytes, est.hbm_bytes)
+    # The model is as it was (its head's forward and its loss its own), and the chunked loss the check
+    # traced is the model's loss: the same value on a small batch.
+    assert "forward" not in model.lm_head.__dict__ and "_loss_function" not in model.__dict__
+    assert model.loss_function.__name__ == "ForCausalLMLoss"
+    small = ids[:2, :96]
+    model.eval()  # no dropout: the two forwards compute the same thing
+    with torch.no_grad():
+        want = model(input_ids=small, labels=small).loss.cpu()
+        with advice.chunked_loss(advice.heads(step, (ids,), {})):
+            got = model(input_ids=small, labels=small).loss.cpu()
+    assert torch.allclose(got, want, rtol=1e-5), (got, want)
+
+
 def test_the_layers_to_checkpoint_are_the_repeated_blocks(rt):
     step = attention_step()
     path, found = advice.layers(step, (), {})

@@ -10,9 +10,13 @@ and optimizer state dominate: FSDP over the target's chips (compiled with every
 argument split over them) and bf16 weights (the step traced again with the
 models' floating parameters, buffers, gradients and optimizer state, and the
 batch's floating tensors, in bfloat16, :func:`in_bf16`, and compiled). When the
-logits of a loss dominate: a chunked loss (not checked: it is a change to the
-step's code, the head's projection and the loss together, that the kit cannot
-make for it). Otherwise: a smaller batch (``tpukit.largest_batch`` finds it).
+logits of a loss dominate (a loss's log-softmax, or what a Hugging Face model's
+output embeddings made: its ``lm_head``): a chunked loss, checked where the model
+is one whose loss transformers computes from those logits (a causal or masked
+LM's ``loss_function``): the step is traced again with the head's projection and
+the loss done slice by slice (:func:`chunked_loss`) and compiled; for another
+step it is a change to its code the kit cannot make. Otherwise: a smaller batch
+(``tpukit.largest_batch`` finds it).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ CHECKPOINT = "checkpoint each layer"
 BF16 = "bf16 weights"
 CHUNKED_LOSS = "chunked loss"
 _LOGITS = re.compile(r"log_softmax|cross_entropy|nll_loss")
+_LM_LOSSES = ("ForCausalLMLoss", "ForMaskedLMLoss")  # transformers' losses over a head's logits
+_NONE = object()
 DOMINANT = 0.3  # a part of the peak this large is what the advice is about
 
 
@@ -86,6 +92,79 @@ def checkpointed(modules: list) -> Iterator[None]:
                 m.__dict__.pop("forward", None)
             else:
                 m.forward = own
+
+
+def heads(step: Callable, args: tuple, kwargs: dict) -> list[tuple[Any, str, Any]]:
+    """The step's Hugging Face models whose loss comes from their output embeddings' logits, each as (model,
+    the head's module path, the head): a model with ``get_output_embeddings()`` and a causal or masked LM's
+    ``loss_function`` (transformers' ``ForCausalLMLoss``, ``ForMaskedLMLoss``)."""
+    found = []
+    for model in _owners(step, args, kwargs)[0]:
+        get = getattr(model, "get_output_embeddings", None)
+        head = get() if callable(get) else None
+        loss = getattr(model, "loss_function", None) if head is not None else None
+        if getattr(loss, "__name__", "") not in _LM_LOSSES:
+            continue
+        path = next((p for p, m in model.named_modules() if m is head), None)
+        if path:
+            found.append((model, path, head))
+    return found
+
+
+def _chunked(project: Callable, hidden: Any, labels: Any, shift: bool, chunks: int,
+             num_items_in_batch: Any = None, ignore_index: int = -100, shift_labels: Any = None) -> Any:
+    """A language model's loss from its hidden states, ``chunks`` slices of rows at a time: each slice
+    projected by ``project`` (the head) and scored under gradient checkpointing, so one slice's logits are
+    live at a time; the labels shifted as a causal LM's loss shifts them (``shift``)."""
+    import torch
+
+    if shift:
+        labels = shift_labels if shift_labels is not None else \
+            torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    h, y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    size = -(-h.shape[0] // chunks)
+
+    def piece(hc: Any, yc: Any) -> Any:
+        return torch.nn.functional.cross_entropy(project(hc).float(), yc, ignore_index=ignore_index,
+                                                 reduction="sum")
+
+    total = sum(_hlo.checkpoint(piece, h[i:i + size], y[i:i + size]) for i in range(0, h.shape[0], size))
+    return total / (num_items_in_batch if num_items_in_batch is not None else (y != ignore_index).sum())
+
+
+@contextmanager
+def chunked_loss(found: list[tuple[Any, str, Any]], chunks: int = 8) -> Iterator[None]:
+    """Within it, each model of :func:`heads` computes its loss as a chunked loss does: its head returns
+    the hidden states, and its ``loss_function`` projects them with the head and scores them ``chunks``
+    slices of rows at a time (:func:`_chunked`). The model's own forward is unchanged, so what it does to the
+    logits before its loss (a soft cap) is done to the hidden states instead: the check is of the memory, not
+    of the values. Leaving, even on an error, gives each head its forward and each model its loss back."""
+    saved = []
+    try:
+        for model, _path, head in found:
+            shift = model.loss_function.__name__ == "ForCausalLMLoss"
+            saved.append((model, head, head.__dict__.get("forward"), model.__dict__.get("_loss_function", _NONE)))
+            project = head.forward
+
+            def loss(logits: Any, labels: Any, vocab_size: int | None = None, num_items_in_batch: Any = None,
+                     ignore_index: int = -100, shift_labels: Any = None, _project: Callable = project,
+                     _shift: bool = shift, **_: Any) -> Any:
+                return _chunked(_project, logits, labels, _shift, chunks, num_items_in_batch, ignore_index,
+                                shift_labels)
+
+            head.forward = lambda hidden: hidden
+            model.loss_function = loss
+        yield
+    finally:
+        for model, head, forward, loss_fn in reversed(saved):
+            if forward is None:
+                head.__dict__.pop("forward", None)
+            else:
+                head.forward = forward
+            if loss_fn is _NONE:
+                model.__dict__.pop("_loss_function", None)
+            else:
+                model._loss_function = loss_fn
 
 
 def _to_bf16(t: Any) -> Any:
@@ -162,16 +241,23 @@ def _batch_in_bf16(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return _tree.tree_map(cast, (args, kwargs), _tree.is_tensor)
 
 
-def shares(why: MemoryBreakdown) -> dict[str, float]:
+def shares(why: MemoryBreakdown, head_paths: tuple[str, ...] = ()) -> dict[str, float]:
     """The parts of the peak the advice weighs: ``activations``, ``attention`` (activations shaped as scores,
-    ``[..., L, L]``), ``state`` (parameters, gradients, optimizer state), ``logits`` (a loss's log-softmax)."""
+    ``[..., L, L]``), ``state`` (parameters, gradients, optimizer state), ``logits`` (a loss's log-softmax, or
+    what the modules at ``head_paths`` made: a model's output embeddings, :func:`heads`), and ``layers``
+    (the activations that are not logits: what checkpointing the layers can free)."""
     whole = why.total_bytes or 1
+
+    def logits(b: Any) -> bool:
+        m = b.module or ""
+        return bool(_LOGITS.search(b.op or "")) or any(m == p or m.endswith("." + p) for p in head_paths)
+
     acts = [b for b in why.buffers if b.kind == ACTIVATIONS]
     return {"activations": sum(b.bytes for b in acts) / whole,
             "attention": sum(b.bytes for b in acts if attention_like(b)) / whole,
             "state": sum(b.bytes for b in why.buffers if b.kind in (PARAMETERS, GRADIENTS, OPTIMIZER)) / whole,
-            "logits": sum(b.bytes for b in why.buffers if b.kind in (ACTIVATIONS, TEMPORARIES)
-                          and _LOGITS.search(b.op or "")) / whole}
+            "logits": sum(b.bytes for b in why.buffers if b.kind in (ACTIVATIONS, TEMPORARIES) and logits(b)) / whole,
+            "layers": sum(b.bytes for b in acts if not logits(b)) / whole}
 
 
 def _bf16_checked(step: Callable, args: tuple, kwargs: dict, traced: Traced, tgt: Target, name: str,
@@ -218,13 +304,11 @@ def advise(why: MemoryBreakdown, step: Callable, args: tuple, kwargs: dict, trac
            name: str = "step", compiler: Any = None, check: bool = True) -> tuple[Suggestion, ...]:
     """What to change, from what dominates the peak in ``why``, each change compiled when it can be (``check``;
     ``hbm_bytes``/``fits`` stay None when it was not)."""
-    part = shares(why)
+    found = heads(step, args, kwargs) if step is not None else []
+    part = shares(why, tuple(path for _, path, _ in found))
     # The logits kept for backward are activations too: they are weighed against the other activations (the
     # layers' checkpointing does not reach a loss's logits), and win a tie.
-    whole = why.total_bytes or 1
-    weigh = {**part, "activations": sum(b.bytes for b in why.buffers if b.kind == ACTIVATIONS
-                                        and not _LOGITS.search(b.op or "")) / whole}
-    top = max(("logits", "activations", "state"), key=lambda k: weigh[k])
+    top = max(("logits", "activations", "state"), key=lambda k: part["layers" if k == "activations" else k])
     out: list[Suggestion] = []
     if top == "activations" and part["activations"] >= DOMINANT:
         path, found = layers(step, args, kwargs)
@@ -261,11 +345,18 @@ def advise(why: MemoryBreakdown, step: Callable, args: tuple, kwargs: dict, trac
                 how += f"; not checked: {why_not}"
         out.append(Suggestion(BF16, how, hbm, fits))
     elif top == "logits" and part["logits"] >= DOMINANT:
-        out.append(Suggestion(CHUNKED_LOSS, f"the logits and their log-softmax are {part['logits']:.0%} of the "
-                                            "peak: compute the loss over slices of the sequence (or vocabulary), "
-                                            "the head's projection inside each slice, so one slice's logits are "
-                                            "live at a time; not checked: that rewrites the step's code (where "
-                                            "the head ends and the loss begins), which the kit cannot do for it"))
+        how = (f"the logits and their log-softmax are {part['logits']:.0%} of the peak: compute the loss over "
+               "slices of the rows (batch x sequence), the head's projection inside each slice and each slice under "
+               "torch_xla.utils.checkpoint.checkpoint, so one slice's logits are live at a time")
+        hbm = fits = None
+        if not found:
+            how += ("; not checked: that rewrites the step's code (where the head ends and the loss begins), which "
+                    "the kit can do only for a Hugging Face causal or masked LM's head and loss")
+        elif check:
+            how += f" (checked as {', '.join(path for _, path, _ in found)} and the model's loss in 8 slices)"
+            with chunked_loss(found):
+                hbm, fits = _checked(trace(step, args, kwargs), tgt, name, compiler)
+        out.append(Suggestion(CHUNKED_LOSS, how, hbm, fits))
     else:
         out.append(Suggestion("smaller batch", "no one part dominates the peak: tpukit.largest_batch(step, "
                                                "make_batch, target) finds the largest batch that fits, and "
