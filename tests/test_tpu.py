@@ -502,16 +502,16 @@ def test_a_search_whose_guesses_overshoot_narrows_the_gap_whatever_its_compile_b
     from tpukit.tpu.estimate import _sizes
     from tpukit.tpu.record import TpuEstimate
 
-    limit, gb = 16_911_433_728, 1e9
+    limit, gb, v5e1 = 16_911_433_728, 1e9, "v5e-1"
 
     def at(b):
         hbm = (3.93 + 0.0676 * b) if b <= 8 else 4.47 + 0.19 * (b - 8)
-        return TpuEstimate(target="v5e-1", fits=b <= 64, hbm_bytes=int(hbm * gb), hbm_limit_bytes=limit,
+        return TpuEstimate(target=v5e1, fits=b <= 64, hbm_bytes=int(hbm * gb), hbm_limit_bytes=limit,
                            arguments_bytes=0, outputs_bytes=0, aliased_bytes=0, temp_bytes=0, code_bytes=0,
                            compile_s=0.0, flops=0.0, bytes_accessed=0.0, step_s_min=0.0, bound="memory",
                            compiler="libtpu 0.0.21.1 (jax 0.7.2)")
 
-    fit = _sizes(at, "v5e-1", start=4, limit=4096, steps=1)
+    fit = _sizes(at, v5e1, start=4, limit=4096, steps=1)
     assert fit.tried[:4] == ((4, True), (8, True), (192, False), (184, False)), fit.tried  # the bench's own search
     assert fit.refused is not None and fit.refused <= 2 * fit.batch, fit  # not "8 fits, 184 refused"
     assert 32 < fit.batch <= 64 and all(fits == (b <= 64) for b, fits in fit.tried), fit
