@@ -353,9 +353,14 @@ def advise(why: MemoryBreakdown, step: Callable, args: tuple, kwargs: dict, trac
             how += ("; not checked: that rewrites the step's code (where the head ends and the loss begins), which "
                     "the kit can do only for a Hugging Face causal or masked LM's head and loss")
         elif check:
-            how += f" (checked as {', '.join(path for _, path, _ in found)} and the model's loss in 8 slices)"
-            with chunked_loss(found):
-                hbm, fits = _checked(trace(step, args, kwargs), tgt, name, compiler)
+            try:
+                with chunked_loss(found):
+                    chunked = trace(step, args, kwargs)
+            except Exception as exc:  # the model does to its logits what its hidden states cannot take
+                how += f"; not checked: tracing the step with a chunked loss raised {type(exc).__name__}: {_gist(exc)}"
+            else:
+                how += f" (checked as {', '.join(path for _, path, _ in found)} and the model's loss in 8 slices)"
+                hbm, fits = _checked(chunked, tgt, name, compiler)
         out.append(Suggestion(CHUNKED_LOSS, how, hbm, fits))
     else:
         out.append(Suggestion("smaller batch", "no one part dominates the peak: tpukit.largest_batch(step, "
