@@ -303,6 +303,13 @@ def test_a_language_models_logits_are_advised_a_chunked_loss_checked_by_a_compil
         with advice.chunked_loss(advice.heads(step, (ids,), {})):
             got = model(input_ids=small, labels=small).loss.cpu()
     assert torch.allclose(got, want, rtol=1e-5), (got, want)
+    # A model whose forward makes its own CrossEntropyLoss (transformers' BERT masked LM) is not changed by the
+    # check: its advice stays unchecked.
+    from transformers import BertConfig, BertForMaskedLM
+
+    bert = BertForMaskedLM(BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                      intermediate_size=64))
+    assert advice.heads(lambda ids: bert(input_ids=ids, labels=ids).loss, (), {}) == []
 
 
 def test_the_layers_to_checkpoint_are_the_repeated_blocks(rt):

@@ -22,6 +22,7 @@ step it is a change to its code the kit cannot make. Otherwise: a smaller batch
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -96,19 +97,28 @@ def checkpointed(modules: list) -> Iterator[None]:
 
 def heads(step: Callable, args: tuple, kwargs: dict) -> list[tuple[Any, str, Any]]:
     """The step's Hugging Face models whose loss comes from their output embeddings' logits, each as (model,
-    the head's module path, the head): a model with ``get_output_embeddings()`` and a causal or masked LM's
-    ``loss_function`` (transformers' ``ForCausalLMLoss``, ``ForMaskedLMLoss``)."""
+    the head's module path, the head): a model with ``get_output_embeddings()`` whose forward calls its
+    ``loss_function``, a causal or masked LM's (transformers' ``ForCausalLMLoss``, ``ForMaskedLMLoss``)."""
     found = []
     for model in _owners(step, args, kwargs)[0]:
         get = getattr(model, "get_output_embeddings", None)
         head = get() if callable(get) else None
         loss = getattr(model, "loss_function", None) if head is not None else None
-        if getattr(loss, "__name__", "") not in _LM_LOSSES:
+        if getattr(loss, "__name__", "") not in _LM_LOSSES or not _calls_its_loss_function(model):
             continue
         path = next((p for p, m in model.named_modules() if m is head), None)
         if path:
             found.append((model, path, head))
     return found
+
+
+def _calls_its_loss_function(model: Any) -> bool:
+    """Whether the model's forward computes its loss with ``self.loss_function`` (some of transformers'
+    models, BERT's masked LM among them, still make their own ``CrossEntropyLoss``)."""
+    try:
+        return "self.loss_function(" in inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
 
 
 def _chunked(project: Callable, hidden: Any, labels: Any, shift: bool, chunks: int,
