@@ -303,6 +303,15 @@ def test_a_language_models_logits_are_advised_a_chunked_loss_checked_by_a_compil
         with advice.chunked_loss(advice.heads(step, (ids,), {})):
             got = model(input_ids=small, labels=small).loss.cpu()
     assert torch.allclose(got, want, rtol=1e-5), (got, want)
+    # Refused at 256 x 512 tokens, libtpu 0.0.17 names one allocation, the logits, by shape and HLO label only
+    # ("Allocation (size=26352812032) would exceed memory ... shape = 'f32[131072,50257]'"): as wide as the
+    # model's vocabulary, it is the head's logits, and the advice is the chunked loss (checked, it fits in
+    # 6.08 GB: docs/estimates.md; not compiled here).
+    refused = memory.Buffer(26352812032, memory.TEMPORARIES, "fusion.324", "f32[131072,50257]")
+    why = memory.MemoryBreakdown(26352812032, (refused,), memory.REFUSAL)
+    assert advice.shares(why)["logits"] == 0 and advice.shares(why, advice.heads(step, (ids,), {}))["logits"] == 1
+    (tip,) = advice.advise(why, step, (ids,), {}, None, tpu.target("v5e-1"), check=False)
+    assert tip.change == advice.CHUNKED_LOSS and tip.hbm_bytes is None, tip
     # A model whose forward makes its own CrossEntropyLoss (transformers' BERT masked LM) is not changed by the
     # check: its advice stays unchecked.
     from transformers import BertConfig, BertForMaskedLM

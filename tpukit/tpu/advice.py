@@ -251,16 +251,21 @@ def _batch_in_bf16(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     return _tree.tree_map(cast, (args, kwargs), _tree.is_tensor)
 
 
-def shares(why: MemoryBreakdown, head_paths: tuple[str, ...] = ()) -> dict[str, float]:
+def shares(why: MemoryBreakdown, found: list[tuple[Any, str, Any]] = ()) -> dict[str, float]:
     """The parts of the peak the advice weighs: ``activations``, ``attention`` (activations shaped as scores,
-    ``[..., L, L]``), ``state`` (parameters, gradients, optimizer state), ``logits`` (a loss's log-softmax, or
-    what the modules at ``head_paths`` made: a model's output embeddings, :func:`heads`), and ``layers``
-    (the activations that are not logits: what checkpointing the layers can free)."""
+    ``[..., L, L]``), ``state`` (parameters, gradients, optimizer state), ``logits`` (a loss's log-softmax, or,
+    for the models ``found`` by :func:`heads`, what their output embeddings made or a buffer as wide as
+    their vocabulary: a refusal names no module), and ``layers`` (the activations that are not logits: what
+    checkpointing the layers can free)."""
     whole = why.total_bytes or 1
+    paths = tuple(path for _, path, _ in found)
+    vocab = {getattr(head, "out_features", None) for _, _, head in found} - {None}
 
     def logits(b: Any) -> bool:
         m = b.module or ""
-        return bool(_LOGITS.search(b.op or "")) or any(m == p or m.endswith("." + p) for p in head_paths)
+        dims = re.findall(r"\d+", b.shape.split("[", 1)[-1].split("]", 1)[0]) if "[" in b.shape else []
+        return (bool(_LOGITS.search(b.op or "")) or any(m == p or m.endswith("." + p) for p in paths)
+                or (len(dims) >= 2 and int(dims[-1]) in vocab))
 
     acts = [b for b in why.buffers if b.kind == ACTIVATIONS]
     return {"activations": sum(b.bytes for b in acts) / whole,
@@ -315,7 +320,7 @@ def advise(why: MemoryBreakdown, step: Callable, args: tuple, kwargs: dict, trac
     """What to change, from what dominates the peak in ``why``, each change compiled when it can be (``check``;
     ``hbm_bytes``/``fits`` stay None when it was not)."""
     found = heads(step, args, kwargs) if step is not None else []
-    part = shares(why, tuple(path for _, path, _ in found))
+    part = shares(why, found)
     # The logits kept for backward are activations too: they are weighed against the other activations (the
     # layers' checkpointing does not reach a loss's logits), and win a tie.
     top = max(("logits", "activations", "state"), key=lambda k: part["layers" if k == "activations" else k])
