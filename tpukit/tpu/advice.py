@@ -378,7 +378,8 @@ def advise(why: MemoryBreakdown, step: Callable, args: tuple, kwargs: dict, trac
                 hbm, fits = _checked(chunked, tgt, name, compiler)
         out.append(Suggestion(CHUNKED_LOSS, how, hbm, fits))
     else:
-        out.append(Suggestion("smaller batch", "no one part dominates the peak: tpukit.largest_batch(step, "
+        out.append(Suggestion("smaller batch", "neither the layers' activations, the logits nor the model's state "
+                                               f"is {DOMINANT:.0%} of the peak: tpukit.largest_batch(step, "
                                                "make_batch, target) finds the largest batch that fits, and "
                                                "gradient accumulation keeps the effective batch"))
     return tuple(out)
