@@ -263,9 +263,8 @@ def shares(why: MemoryBreakdown, found: list[tuple[Any, str, Any]] = ()) -> dict
 
     def logits(b: Any) -> bool:
         m = b.module or ""
-        dims = re.findall(r"\d+", b.shape.split("[", 1)[-1].split("]", 1)[0]) if "[" in b.shape else []
         return (bool(_LOGITS.search(b.op or "")) or any(m == p or m.endswith("." + p) for p in paths)
-                or (len(dims) >= 2 and int(dims[-1]) in vocab))
+                or (len(b.dims) >= 2 and b.dims[-1] in vocab))
 
     acts = [b for b in why.buffers if b.kind == ACTIVATIONS]
     return {"activations": sum(b.bytes for b in acts) / whole,
@@ -319,8 +318,8 @@ def advise(why: MemoryBreakdown, step: Callable, args: tuple, kwargs: dict, trac
            name: str = "step", compiler: Any = None, check: bool = True) -> tuple[Suggestion, ...]:
     """What to change, from what dominates the peak in ``why``, each change compiled when it can be (``check``;
     ``hbm_bytes``/``fits`` stay None when it was not)."""
-    found = heads(step, args, kwargs) if step is not None else []
-    part = shares(why, found)
+    lm_heads = heads(step, args, kwargs) if step is not None else []
+    part = shares(why, lm_heads)
     # The logits kept for backward are activations too: they are weighed against the other activations (the
     # layers' checkpointing does not reach a loss's logits), and win a tie.
     top = max(("logits", "activations", "state"), key=lambda k: part["layers" if k == "activations" else k])
@@ -364,17 +363,17 @@ def advise(why: MemoryBreakdown, step: Callable, args: tuple, kwargs: dict, trac
                "slices of the rows (batch x sequence), the head's projection inside each slice and each slice under "
                "torch_xla.utils.checkpoint.checkpoint, so one slice's logits are live at a time")
         hbm = fits = None
-        if not found:
+        if not lm_heads:
             how += ("; not checked: that rewrites the step's code (where the head ends and the loss begins), which "
                     "the kit can do only for a Hugging Face causal or masked LM's head and loss")
         elif check:
             try:
-                with chunked_loss(found):
+                with chunked_loss(lm_heads):
                     chunked = trace(step, args, kwargs)
             except Exception as exc:  # the model does to its logits what its hidden states cannot take
                 how += f"; not checked: tracing the step with a chunked loss raised {type(exc).__name__}: {_gist(exc)}"
             else:
-                how += f" (checked as {', '.join(path for _, path, _ in found)} and the model's loss in 8 slices)"
+                how += f" (checked as {', '.join(path for _, path, _ in lm_heads)} and the model's loss in 8 slices)"
                 hbm, fits = _checked(chunked, tgt, name, compiler)
         out.append(Suggestion(CHUNKED_LOSS, how, hbm, fits))
     else:

@@ -64,6 +64,13 @@ class Buffer:
     backward: bool = False  # made by the backward pass (autograd traces it without a Python line)
 
     @property
+    def dims(self) -> tuple[int, ...]:
+        """The shape's dimensions (``f32[8,1024,32000]{2,1,0}``: 8, 1024, 32000); () when it is unknown."""
+        if "[" not in self.shape:
+            return ()
+        return tuple(int(d) for d in re.findall(r"\d+", self.shape.split("[", 1)[1].split("]", 1)[0]))
+
+    @property
     def where(self) -> str:
         """Where it comes from, for people: its source line (a notebook cell as ``[N]:line``), else its op
         (``aten__mm in the backward``)."""
@@ -345,5 +352,5 @@ def _of_smaller_batch(est: TpuEstimate, traced: Traced, batch: int, tgt: Target,
 
 def attention_like(buffer: Buffer) -> bool:
     """A buffer shaped as attention scores or probabilities: [..., L, L] with L >= 128, rank 3 or more."""
-    dims = [int(d) for d in re.findall(r"\d+", buffer.shape.split("[", 1)[-1])]
+    dims = buffer.dims
     return len(dims) >= 3 and dims[-1] == dims[-2] >= 128
