@@ -251,14 +251,9 @@ def _follow(name: str | None, compiler: str | None = None) -> str | None:
     return found.name
 
 
-def _keep_protos_for_follower(on: bool) -> None:
-    """The graphs keep their HLO while a target's follower is registered (it compiles them for the TPU); with
-    none, no longer: nothing would compile them, and a dashboard would wait for their answers."""
-    if compiles.tracing_enabled():
-        compiles.reader().keep_protos("tpu follower", on)
-
-
-tpu.watch_follower(_keep_protos_for_follower)
+# The graphs keep their HLO while a target's follower is registered (it compiles them for the TPU); with none,
+# no longer: nothing would compile them, and a dashboard would wait for their answers.
+tpu.watch_follower(lambda on: compiles.keep_hlo("tpu follower", on))
 
 
 def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = False,

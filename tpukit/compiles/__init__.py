@@ -23,7 +23,7 @@ from .frames import Frame
 from .reader import Reader, reader
 
 __all__ = ["CompileEvent", "Mark", "Frame", "LoopContext", "own", "flush", "Reader", "describe", "reader", "configure", "trace_file",
-           "tracing_enabled", "hlo_kept", "compiling_now", "mark", "settled", "event_count", "events_since",
+           "tracing_enabled", "keep_hlo", "hlo_kept", "compiling_now", "mark", "settled", "event_count", "events_since",
            "NEW", "EXPECTED", "RECOMPILATION", "KINDS", "PENDING", "EAGER_NOTE", "FORCED_CAUSE", "FLUSH_CUT"]
 
 
@@ -36,18 +36,24 @@ def configure(runtime_imported: bool) -> tuple[str | None, list[str]]:
     return trace, problems
 
 
+def keep_hlo(owner: str, on: bool = True) -> None:
+    """From now on each graph recorded keeps its HLO for ``owner`` (``on=False``: no longer for it), a
+    consumer that compiles it again (:meth:`Reader.keep_protos`); nothing when tracing is off."""
+    if tracing_enabled():
+        reader().keep_protos(owner, on)
+
+
 @contextmanager
 def hlo_kept(owner: str | None) -> Iterator[None]:
-    """Inside the block, each graph recorded keeps its HLO for ``owner`` (a consumer that compiles it again,
-    :meth:`Reader.keep_protos`); None, or tracing off: nothing is kept."""
-    keep = owner is not None and tracing_enabled()
-    if keep:
-        reader().keep_protos(owner)
+    """Inside the block, each graph recorded keeps its HLO for ``owner`` (:func:`keep_hlo`); None: nothing
+    is kept."""
+    if owner is not None:
+        keep_hlo(owner)
     try:
         yield
     finally:
-        if keep:
-            reader().keep_protos(owner, False)
+        if owner is not None:
+            keep_hlo(owner, False)
 
 
 def trace_file() -> str | None:
