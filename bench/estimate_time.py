@@ -167,8 +167,9 @@ class Probe:
 
     def __init__(self) -> None:
         self.est = importlib.import_module("tpukit.tpu.estimate")
-        self.worker = importlib.import_module("tpukit.tpu.worker")
-        self.envs = importlib.import_module("tpukit.tpu.envs")
+        self.ask = importlib.import_module("tpukit.tpu.ask")
+        self.worker = importlib.import_module("tpukit.tpu.compiler.worker")
+        self.cache = importlib.import_module("tpukit.tpu.compiler.cache")
         self.reset()
 
     def reset(self) -> None:
@@ -219,11 +220,11 @@ class Probe:
         self._wrap(W._Process, "_start", "spawn", start)
         self._wrap(W._Process, "call", "call", call)
         self._wrap(W.Request, "key", "key")
-        self._wrap(self.envs, "write_json", "cache_write")
-        self._wrap(E, "retie", "retie")
+        self._wrap(self.cache, "write_json", "cache_write")
+        self._wrap(self.ask, "retie", "retie")
         self._wrap(E, "trace", "trace")
-        self._wrap(E, "_check", "check")
-        self._wrap(E, "from_reply", "from_reply")
+        self._wrap(E, "check", "check")
+        self._wrap(self.ask, "outcome", "from_reply")
 
     def total(self, label: str) -> float:
         return sum(b - a for a, b in self.spans.get(label, []))
@@ -257,7 +258,7 @@ def child_kit(mode: str, steps: list[str], out: str, hlo_dir: str) -> None:
         from tpukit import _xla
 
         dev = _xla.device()
-        W = importlib.import_module("tpukit.tpu.worker")
+        W = importlib.import_module("tpukit.tpu.compiler.worker")
         probe = Probe()
         probe.install()
         res: dict = {"mode": mode, "cache": "fresh (a temporary directory)", "steps": {},
@@ -322,7 +323,7 @@ def child_kit(mode: str, steps: list[str], out: str, hlo_dir: str) -> None:
                   f"HLO {len(hlo) / 1e6:.2f} MB", flush=True)
         Path(out).write_text(json.dumps(res, indent=1))
     finally:
-        W = sys.modules.get("tpukit.tpu.worker")
+        W = sys.modules.get("tpukit.tpu.compiler.worker")
         if W is not None:
             W.stop()
         shutil.rmtree(cache, ignore_errors=True)

@@ -23,7 +23,7 @@ Which TPU compiler answers each target: by default (``--runtime colab-kaggle``) 
 that offers it runs: v5e-1 and v6e-1 Colab's (``"torch_xla 2.9"``: libtpu 0.0.21.1, jax 0.7.2), v5e-8
 Kaggle's (``"torch_xla 2.8"``: libtpu 0.0.17, jax 0.7.2); ``--runtime installed``: the installed
 torch_xla's for every target; ``--compiler TARGET=NAME`` overrides one target (any name
-``tpukit.tpu.compilers.compiler`` knows). The answer times (batch 8, and BERT-base at batch 32, on
+``tpukit.tpu.compiler.resolve`` knows). The answer times (batch 8, and BERT-base at batch 32, on
 v5e-1) use the v5e-1 compiler; ``--no-answer-times`` skips them and keeps the earlier ones.
 
 A run updates the models and pairs it computed in the results file and keeps the others (the
@@ -54,7 +54,7 @@ CONFIGS = [("v5e-1", "fp32", False), ("v5e-1", "bf16", False), ("v5e-8", "fp32",
            ("v6e-1", "fp32", False), ("v6e-1", "bf16", False)]
 START = {"minilm": 64, "base": 16, "large": 4}  # first batch tried by the doubling search
 # The compiler each target's notebook runs: Colab offers v5e-1 and v6e-1 (torch_xla 2.9, libtpu 0.0.21.1),
-# Kaggle a v5e-8 (torch_xla 2.8, libtpu 0.0.17); both with jax 0.7.2 (tpukit.tpu.compilers.RUNTIMES).
+# Kaggle a v5e-8 (torch_xla 2.8, libtpu 0.0.17); both with jax 0.7.2 (tpukit.tpu.compiler.RUNTIMES).
 RUNTIMES = {"colab-kaggle": {"v5e-1": "torch_xla 2.9", "v6e-1": "torch_xla 2.9", "v5e-8": "torch_xla 2.8"},
             "installed": {}}  # {}: every target by the installed torch_xla's compiler (the kit's default)
 

@@ -27,10 +27,10 @@ import torch  # noqa: E402
 
 import tpukit  # noqa: E402
 from tpukit import _xla, runtime  # noqa: E402
-from tpukit.tpu import compilers, envs, worker  # noqa: E402
+from tpukit.tpu.compiler import pins as compilers, venvs as envs, worker  # noqa: E402
 from estimate_steps import mlp, train_step  # noqa: E402
 
-HERE = compilers.runtime()  # the pair of this stack's torch_xla (installed here)
+HERE = compilers.pin()  # the pair of this stack's torch_xla (installed here)
 OTHER = "torch_xla 2.9" if HERE.torch_xla == (2, 8) else "torch_xla 2.8"  # the other CI stack's
 
 
@@ -52,7 +52,7 @@ def compilers_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def other(compilers_dir):
     """The other CI stack's compiler, its environment built here (once): (Compiler, its python, seconds)."""
-    comp = compilers.compiler(OTHER)
+    comp = compilers.resolve(OTHER)
     start = time.perf_counter()
     exe = envs.python(comp.versions(), comp.name)
     seconds = time.perf_counter() - start
@@ -62,27 +62,27 @@ def other(compilers_dir):
 
 
 def test_compiler_names():
-    c = compilers.compiler("torch_xla 2.6")
+    c = compilers.resolve("torch_xla 2.6")
     assert (c.name, c.libtpu, c.jax, c.versions()["jaxlib"]) == ("torch_xla 2.6", "0.0.7.1", "0.4.38", "0.4.38")
-    assert compilers.compiler("torch_xla==2.7.0").versions() == {"jax": "0.5.3", "jaxlib": "0.5.3",
+    assert compilers.resolve("torch_xla==2.7.0").versions() == {"jax": "0.5.3", "jaxlib": "0.5.3",
                                                                  "libtpu": "0.0.11.1"}
-    assert compilers.compiler("Torch_XLA 2.8").name == "torch_xla 2.8"
-    by_libtpu = compilers.compiler("libtpu 0.0.17")
+    assert compilers.resolve("Torch_XLA 2.8").name == "torch_xla 2.8"
+    by_libtpu = compilers.resolve("libtpu 0.0.17")
     assert (by_libtpu.name, by_libtpu.jax) == ("libtpu 0.0.17", "0.7.2")
-    assert compilers.compiler("libtpu 0.0.21").libtpu == "0.0.21.1"  # torch_xla 2.9's pin, as Colab ships it
-    pair = compilers.compiler("libtpu 0.0.50.1 jax 0.12.0.1")  # any pair, named in full; the name round-trips
-    assert pair.versions()["jax"] == "0.12.0.1" and compilers.compiler(pair.name) == pair
-    assert compilers.compiler(pair) is pair
-    assert compilers.compiler("installed").versions() == tpu.versions()
+    assert compilers.resolve("libtpu 0.0.21").libtpu == "0.0.21.1"  # torch_xla 2.9's pin, as Colab ships it
+    pair = compilers.resolve("libtpu 0.0.50.1 jax 0.12.0.1")  # any pair, named in full; the name round-trips
+    assert pair.versions()["jax"] == "0.12.0.1" and compilers.resolve(pair.name) == pair
+    assert compilers.resolve(pair) is pair
+    assert compilers.resolve("installed").versions() == tpu.versions()
     # What an estimate's text calls them.
-    assert compilers.compiler("torch_xla 2.8").label == "torch_xla 2.8's compiler, libtpu 0.0.17 (jax 0.7.2)"
+    assert compilers.resolve("torch_xla 2.8").label == "torch_xla 2.8's compiler, libtpu 0.0.17 (jax 0.7.2)"
     assert by_libtpu.label == "libtpu 0.0.17 (jax 0.7.2)" and compilers.role("newest") == "the newest compiler"
     assert envs.key(c.versions()) == "0.0.7.1-0.4.38"
     assert envs.pins(c.versions()) == ["jax==0.4.38", "jaxlib==0.4.38", "libtpu==0.0.7.1"]
     assert all(r.source for r in compilers.RUNTIMES.values())
     for bad in ("torch_xla 2.5", "libtpu 0.0.33", "gcc 13", 3):
         with pytest.raises(compilers.CompilerError) as err:
-            compilers.compiler(bad)
+            compilers.resolve(bad)
         text = str(err.value)
         assert isinstance(err.value, ValueError) and isinstance(err.value, tpukit.TpukitError)
         assert "'torch_xla 2.6', 'torch_xla 2.7', 'torch_xla 2.8', 'torch_xla 2.9'" in text, text
@@ -91,7 +91,7 @@ def test_compiler_names():
 
 def test_the_newest_compiler_is_what_pip_installs_today(compilers_dir):
     """``"newest"``: the jax[tpu] the package index has now (asked once a day, the answer kept)."""
-    newest = compilers.compiler("newest")
+    newest = compilers.resolve("newest")
     assert newest.name == "newest" and newest.label.startswith("the newest compiler, libtpu ")
     pins = [compilers._release(r.libtpu) for r in compilers.RUNTIMES.values()]
     assert compilers._release(newest.libtpu) > max(pins), newest  # newer than every torch_xla's pin
@@ -102,7 +102,7 @@ def test_the_newest_compiler_is_what_pip_installs_today(compilers_dir):
 
 
 def test_the_default_compiler_is_the_installed_torch_xlas(rt):
-    default = compilers.compiler(None)
+    default = compilers.resolve(None)
     assert default.name == f"torch_xla {'.'.join(map(str, _xla.versions.installed()))}" == HERE.name
     # Both CI stacks install their torch_xla's pair: the worker runs here, in this Python, as before.
     assert default.versions() == tpu.versions() and envs.is_installed(default.versions())
@@ -118,20 +118,24 @@ def test_the_default_compiler_is_the_installed_torch_xlas(rt):
     # The cache key of the default is the one of the versions installed here (answers kept before stay valid).
     req = worker.Request(b"graph", tpu.target("v5e-1"))
     assert req.key() == worker.Request(b"graph", tpu.target("v5e-1"), compiler=default).key()
-    assert req.key() != worker.Request(b"graph", tpu.target("v5e-1"), compiler=compilers.compiler(OTHER)).key()
+    assert req.key() != worker.Request(b"graph", tpu.target("v5e-1"), compiler=compilers.resolve(OTHER)).key()
 
 
 def test_setup_owns_the_compiler(rt, monkeypatch):
     monkeypatch.setattr(runtime, "_STATE", runtime._STATE)  # this test's setup() calls end with it
+
+    def asked(name):  # the compiler a call naming ``name`` gets: resolved once, at the edge
+        return tpu.ask.resolve(None, name, need_target=False)[1]
+
     monkeypatch.delenv(runtime.COMPILER_ENV, raising=False)
     with pytest.raises(compilers.CompilerError, match="unknown TPU compiler 'torch_xla 2.5'"):
         tpukit.setup(device="cpu", compiler="torch_xla 2.5")
-    assert runtime.tpu_compiler() is None and compilers.compiler(None).name == HERE.name
+    assert runtime.tpu_compiler() is None and asked(None).name == HERE.name
     monkeypatch.setenv(runtime.COMPILER_ENV, "torch_xla 2.6")  # the variable, when setup() names none
-    assert runtime.tpu_compiler() == "torch_xla 2.6" and compilers.compiler(None).libtpu == "0.0.7.1"
+    assert runtime.tpu_compiler() == "torch_xla 2.6" and asked(None).libtpu == "0.0.7.1"
     now = tpukit.setup(device="cpu", compiler="libtpu 0.0.21")
     assert now.compiler == "libtpu 0.0.21.1" and runtime.current().compiler == "libtpu 0.0.21.1"
-    assert runtime.tpu_compiler() == "libtpu 0.0.21.1" == compilers.compiler(None).name  # setup() wins
+    assert runtime.tpu_compiler() == "libtpu 0.0.21.1" == asked(None).name  # setup() wins
     assert ("TPU compiler", "libtpu 0.0.21.1: it answers the target's compiles and tpukit.estimate") in now.rows()
     assert runtime.tpu_compiler("torch_xla 2.8") == "torch_xla 2.8"  # named: itself
 
@@ -197,7 +201,7 @@ import sys, types, logging
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 for name, path in (("tpukit", sys.argv[1]), ("tpukit.tpu", sys.argv[1] + "/tpu")):  # envs alone: no torch
     m = types.ModuleType(name); m.__path__ = [path]; sys.modules[name] = m
-from tpukit.tpu import envs
+from tpukit.tpu.compiler import venvs as envs
 print("PYTHON", envs.python(dict(jax=sys.argv[2], jaxlib=sys.argv[2], libtpu=sys.argv[3]), "the test"))
 """
 
@@ -232,7 +236,7 @@ def test_an_offline_build_fails_with_the_command_to_run(tmp_path, monkeypatch):
     monkeypatch.setenv("UV_NO_CACHE", "1")
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
-    found = compilers.compiler("torch_xla 2.6").versions()
+    found = compilers.resolve("torch_xla 2.6").versions()
     with pytest.raises(envs.CompilerEnvError) as err:
         envs.python(found, "torch_xla 2.6")
     text = str(err.value)
@@ -301,7 +305,7 @@ def test_compare_reports_a_step_one_compiler_refuses_and_another_accepts(rt, com
 def test_installed_versions_are_read_again_after_an_install(tmp_path, monkeypatch):
     """versions() answers from memory while the import path is unchanged, and reads the packages again once a
     folder of it changed (an install writes a *.dist-info there): a jax installed mid-session is seen."""
-    from tpukit.tpu import _versions
+    from tpukit.tpu.compiler import installed as _versions
 
     before = _versions.versions()
     assert before == tpu.versions() and before["libtpu"], before

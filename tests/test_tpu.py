@@ -124,7 +124,7 @@ def test_fits_is_the_compilers_verdict_even_when_the_sum_of_buffers_exceeds_the_
 
 
 def test_an_estimate_says_when_its_compiler_is_not_the_runtimes():
-    from tpukit.tpu import compilers
+    from tpukit.tpu.compiler import pins as compilers
 
     # torch_xla's releases and the libtpu each pins (setup.py), Colab's and Kaggle's as they ship them.
     assert {r: (c.libtpu, c.jax) for r, c in compilers.RUNTIMES.items()} == {
@@ -137,8 +137,8 @@ def test_an_estimate_says_when_its_compiler_is_not_the_runtimes():
     assert compilers.mismatch({"libtpu": "0.0.17"}, (2, 8)) is None
     assert compilers.mismatch(newest, (3, 0)) is None  # a release the table does not know: nothing to say
     assert compilers.describe(newest) == "libtpu 0.0.50.1 (jax 0.12.0.1)" and compilers.describe({}) == ""
-    assert compilers.runtime((2, 9)).name == "torch_xla 2.9"
-    installed = compilers.runtime()  # the torch_xla of this stack
+    assert compilers.pin((2, 9)).name == "torch_xla 2.9"
+    installed = compilers.pin()  # the torch_xla of this stack
     assert installed is not None and installed.torch_xla == _xla.versions.installed()
 
 
@@ -223,7 +223,8 @@ def test_a_notebook_cells_step_is_the_caches_answer_after_a_kernel_restart(rt):
     """The graph's op metadata names each op's file, and a notebook cell's file is in a folder named by its
     kernel's process id: the same cell in a restarted kernel (another id) is the cache's answer; an edited
     cell (another file name) is a new question."""
-    from tpukit.tpu import trace, worker
+    from tpukit.tpu import trace
+    from tpukit.tpu.compiler import worker
 
     def cell(kernel_pid, name="3120539446.py"):  # ipykernel's file for a cell: <tmp>/ipykernel_<pid>/<hash>.py
         scope = {"mlp": mlp, "torch": torch}
@@ -277,7 +278,7 @@ SUMMARY_WHILE_COMPILING = r"""
 import json, os, signal, time, tpukit
 rt = tpukit.setup(device="cpu", target="v5e-1")
 import torch
-tpukit.tpu.worker.warm()
+tpukit.tpu.compiler.worker.warm(tpukit.tpu.compiler.resolve())
 pid = tpukit.tpu.worker_pid()
 open(os.environ["WORKER_PID_FILE"], "w").write(str(pid))
 os.kill(pid, signal.SIGSTOP)  # the worker is busy: as with a graph that takes the compiler minutes
@@ -342,7 +343,7 @@ def test_the_compiler_runs_in_its_worker_never_here(rt):
     assert not list(Path("/tmp/tpu_logs").glob(f"*.{pid}"))
     # The worker runs libtpu on mimalloc when the extra installed it (Kaggle's stack here), else on glibc's
     # malloc (Colab's pins have no cmeel-mimalloc): the preload takes effect there and never here.
-    lib = tpu.worker.allocator()
+    lib = tpu.compiler.worker.allocator()
     assert ("libmimalloc" in worker_maps) == (lib is not None and not os.environ.get("LD_PRELOAD"))
     with open("/proc/self/maps") as maps:
         assert "libmimalloc" not in maps.read()
@@ -368,7 +369,7 @@ def attention_step(seq):
 
 
 def test_the_compile_gets_torch_xlas_runtime_flags_and_the_users_win(rt, monkeypatch):
-    from tpukit.tpu.flags import compile_flags, user_flags
+    from tpukit.tpu.compiler.flags import compile_flags, user_flags
 
     assert compile_flags(tpu.target("v5e-8"))["xla_enable_async_all_gather"] == "true"  # torch_xla: v5 only
     assert "xla_enable_async_all_gather" not in compile_flags(tpu.target("v6e-1"))
@@ -421,7 +422,7 @@ def test_an_oversized_step_is_refused_with_the_compilers_numbers(rt):
     assert top[0].bytes >= 4 * 1024**3 and top[0].kind and top[0].instruction != "?", top[0]
     assert why.program_bytes is None or why.program_bytes <= why.used_bytes
     assert "why: the largest buffers" in str(est) and top[0].shape in str(est), str(est)
-    assert tpu.refusal.parse("INVALID_ARGUMENT: something else") is None
+    assert tpu.compiler.refusal.parse("INVALID_ARGUMENT: something else") is None
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
     assert grown < 1024**3, f"host memory grew {grown / 1e9:.1f} GB"
 
@@ -499,14 +500,15 @@ def test_a_search_whose_guesses_overshoot_narrows_the_gap_whatever_its_compile_b
     # v5e-1 (bench/results/tpu_estimate.json: 4 and 8 rows fit, 8 at 4.47 GB; 192 and 184 refused). That search
     # costs 15 minutes of real TPU compiles, and what is tested here is what the search does with the answers:
     # the answers are the recorded ones where recorded, and a rising HBM that fits up to 64 rows elsewhere.
-    from tpukit.tpu.estimate import _sizes
-    from tpukit.tpu.record import TpuEstimate
+    from tpukit.tpu.search import _sizes
+    from tpukit.tpu.outcome import TpuEstimate
 
     limit, gb, v5e1 = 16_911_433_728, 1e9, "v5e-1"
 
     def at(b):
         hbm = (3.93 + 0.0676 * b) if b <= 8 else 4.47 + 0.19 * (b - 8)
-        return TpuEstimate(target=v5e1, fits=b <= 64, hbm_bytes=int(hbm * gb), hbm_limit_bytes=limit,
+        return TpuEstimate(target=v5e1, status="fits" if b <= 64 else "too big", hbm_bytes=int(hbm * gb),
+                           hbm_limit_bytes=limit,
                            arguments_bytes=0, outputs_bytes=0, aliased_bytes=0, temp_bytes=0, code_bytes=0,
                            compile_s=0.0, flops=0.0, bytes_accessed=0.0, step_s_min=0.0, bound="memory",
                            compiler="libtpu 0.0.21.1 (jax 0.7.2)")
@@ -609,7 +611,7 @@ import os, signal, sys, threading, time
 import tpukit
 rt = tpukit.setup(device="cpu")
 import torch
-from tpukit.tpu import worker
+from tpukit.tpu import worker_pid
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(96)]).to(rt.device)
 opt = torch.optim.AdamW(model.parameters())
@@ -620,9 +622,9 @@ def step(x):
     return loss
 threading.Thread(target=tpukit.estimate, args=(step, torch.ones(64, 2048, device=rt.device)),
                  kwargs=dict(target="v5e-1", suggest=False), daemon=True).start()
-while worker.worker_pid() is None:
+while worker_pid() is None:
     time.sleep(0.05)
-print(worker.worker_pid(), flush=True)
+print(worker_pid(), flush=True)
 
 
 def cpu(pid):
@@ -635,9 +637,9 @@ def cpu(pid):
 # trace alone can take longer than any fixed sleep).
 deadline = time.monotonic() + float(sys.argv[1])
 while True:
-    busy = cpu(worker.worker_pid())
+    busy = cpu(worker_pid())
     time.sleep(0.5)
-    busy = cpu(worker.worker_pid()) - busy  # the worker's CPU seconds in that half second
+    busy = cpu(worker_pid()) - busy  # the worker's CPU seconds in that half second
     if busy > 0.05 or time.monotonic() > deadline:
         break
 print(busy, flush=True)

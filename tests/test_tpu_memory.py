@@ -364,8 +364,8 @@ def test_the_dump_holds_the_files_and_the_metadata_the_breakdown_reads(rt, tmp_p
     assert again.hlo == traced.hlo  # the same bytes for the same step: the compile cache's key holds
     assert [k for k, _ in traced.inputs].count(memory.PARAMETERS) == 4 and ("inputs", "x") in traced.inputs
     assert [k for k, _ in traced.results].count(memory.OPTIMIZER) == 8, traced.results
-    reply = tpu.worker.compile_dump(tpu.worker.Request(traced.hlo, tpu.target("v5e-1"), aliases=traced.aliases),
-                                tmp_path)
+    reply = tpu.compiler.worker.compile_dump(tpu.compiler.worker.Request(
+        traced.hlo, tpu.target("v5e-1"), aliases=traced.aliases, compiler=tpu.compiler.resolve()), tmp_path)
     assert "error" not in reply and reply["compiler_name"], reply
     found = dump.files(tmp_path)
     assert {"buffer-assignment", "memory-usage-report", "hlo"} <= set(found), list(tmp_path.iterdir())
@@ -401,7 +401,7 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 def test_the_whole_refusal_is_read(name, program, first):
     with open(os.path.join(DATA, name)) as f:
         text = f.read()
-    r = tpu.refusal.parse(text)
+    r = tpu.compiler.refusal.parse(text)
     gib = 1024**3
     assert r.used_bytes == r.program_bytes == int(program * gib) and r.limit_bytes == int(15.75 * gib), r
     assert r.reserved_bytes == 258 * 1024**2 and r.arguments_bytes == 0 and r.exceeded_bytes, r

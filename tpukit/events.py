@@ -8,6 +8,7 @@ thing happens:
 - ``on_compile(event)``: a :class:`~tpukit.compiles.CompileEvent` when a
   compilation starts and again when it ends;
 - ``on_track_start(tracker)`` / ``on_track_end(tracker)``: a tracked loop;
+- ``on_tpu_pending(event)``: a compile's graph was sent to the target's TPU compiler (the follower);
 - ``on_tpu_estimate(event, estimate)``: what the TPU compiler says about a compile
   event's graph on the target TPU (``tpukit.setup(target=...)``), once per event.
 
@@ -32,7 +33,7 @@ from typing import Any, Callable
 
 from .errors import TpukitError, TpukitWarning
 
-HOOKS = ("on_step", "on_compile", "on_track_start", "on_track_end", "on_tpu_estimate")
+HOOKS = ("on_step", "on_compile", "on_track_start", "on_track_end", "on_tpu_pending", "on_tpu_estimate")
 
 _LOCK = threading.RLock()
 _LISTENERS: list[Any] = []

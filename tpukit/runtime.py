@@ -20,7 +20,8 @@ import threading
 import warnings
 
 from ._version import __version__
-from . import _ipython, _stderr, _xla, cache, compiles, environment, tpu
+from . import _ipython, _stderr, _xla, cache, compiles, environment
+from .tpu import compiler as tpu_compilers
 from .runtime_record import Request, Runtime
 from .errors import DeviceNotFoundError, TorchXlaMissingError, TpukitWarning, VersionMismatchError
 
@@ -207,7 +208,7 @@ def _warn(problems: tuple[str, ...] | list[str]) -> None:
             warnings.warn(p, TpukitWarning, stacklevel=3)
 
 
-def tpu_target(name: "str | tpu.Target | None" = None, ready: bool = False) -> "tpu.Target | None":
+def tpu_target(name: "str | tpu_compilers.Target | None" = None, ready: bool = False) -> "tpu_compilers.Target | None":
     """The TPU the kit compiles for: ``name`` when given, else the one ``setup(target=...)`` set, else
     ``$TPUKIT_TARGET``; None when there is none. The runtime owns the target and every consumer reads it
     here: ``tpukit.estimate`` and ``largest_batch`` without ``target=``, the follower ``setup`` registers,
@@ -218,9 +219,9 @@ def tpu_target(name: "str | tpu.Target | None" = None, ready: bool = False) -> "
         name = (rt.target if rt is not None else None) or os.environ.get(TARGET_ENV, "").strip() or None
     if name is None:
         return None
-    found = tpu.target(name)
+    found = tpu_compilers.target(name)
     if ready:
-        tpu.require()
+        tpu_compilers.worker.require(tpu_compilers.resolve(tpu_compiler()))
     return found
 
 
@@ -228,32 +229,33 @@ def tpu_compiler(name: "str | None" = None) -> str | None:
     """The name of the TPU compiler that answers: ``name`` when given, else the one ``setup(compiler=...)``
     set, else ``$TPUKIT_COMPILER``; None for the default (the libtpu the installed torch_xla's runtime loads).
     The runtime owns it as it owns the target: ``tpukit.estimate``, ``largest_batch``, ``compile_graph`` and
-    the follower read it here (:func:`tpukit.tpu.compilers.compiler` resolves it)."""
+    the follower read it here (:func:`tpukit.tpu.compiler.resolve` resolves it)."""
     if name is None:
         rt = current()
         name = (rt.compiler if rt is not None else None) or os.environ.get(COMPILER_ENV, "").strip() or None
     return name
 
 
-# tpukit.tpu (below the runtime) reads the target and the compiler through these accessors: estimate() without
-# target= or compiler=.
-tpu.targets.read_default_from(tpu_target)
-tpu.compilers.read_default_from(tpu_compiler)
+_TARGET_WATCHERS: list[Callable[[Any, "str | None"], None]] = []
+
+
+def watch_target(fn: Callable[[Any, "str | None"], None]) -> None:
+    """Call ``fn(target, compiler)`` each time ``setup()`` names a target (a :class:`~tpukit.tpu.compiler.Target`)
+    or changes the compiler of the one it named (the compiler's name, None: the runtime's own). tpukit.tpu's
+    follower registers here when it is imported: the runtime, below it, only says what was set."""
+    if fn not in _TARGET_WATCHERS:
+        _TARGET_WATCHERS.append(fn)
 
 
 def _follow(name: str | None, compiler: str | None = None) -> str | None:
     """Compile every graph recorded from now on for :func:`tpu_target` ``(name)`` too, with
-    :func:`tpu_compiler` ``(compiler)``; the target's name, or None."""
+    :func:`tpu_compiler` ``(compiler)`` (the watchers do: :func:`watch_target`); the target's name, or None."""
     found = tpu_target(name, ready=True)
     if found is None:
         return None
-    tpu.follow(found, tpu.compilers.compiler(tpu_compiler(compiler)))
+    for fn in list(_TARGET_WATCHERS):
+        fn(found, tpu_compiler(compiler))
     return found.name
-
-
-# The graphs keep their HLO while a target's follower is registered (it compiles them for the TPU); with none,
-# no longer: nothing would compile them, and a dashboard would wait for their answers.
-tpu.watch_follower(lambda on: compiles.keep_hlo("tpu follower", on))
 
 
 def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = False,
@@ -289,7 +291,7 @@ def setup(device: str = "auto", cpu_devices: int | None = None, spmd: bool = Fal
     global _STATE
     req = Request(device, cpu_devices, bool(spmd), compile_cache, bool(trace_compiles))
     _validate(req)
-    compiler = tpu.compilers.compiler(compiler).name if compiler is not None else None  # an unknown name raises
+    compiler = tpu_compilers.resolve(compiler).name if compiler is not None else None  # an unknown name raises
     _ipython.watch_cells()  # cell labels on IPython 7 kernels (Colab)
     with _LOCK:
         if _STATE is not None:

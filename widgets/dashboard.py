@@ -128,6 +128,15 @@ class Dashboard:
         except Exception as exc:
             self._fail(exc, "on_compile")
 
+    def on_tpu_pending(self, event: Any) -> None:
+        """The target's follower sent a compile's graph to the TPU compiler: wait for its answer."""
+        if self.disabled:
+            return
+        try:
+            self.state.add_pending(event, seen_only=self.closed)
+        except Exception as exc:
+            self._fail(exc, "on_tpu_pending")
+
     def on_tpu_estimate(self, event: Any, estimate: Any) -> None:
         """Consume what the TPU compiler says about a compile's graph on the target TPU; an answer that
         comes after the loop ended is shown then (the TPU compiler takes longer than a short run)."""

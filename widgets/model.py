@@ -148,13 +148,20 @@ class DashboardState:
             self._add_compile(event, step=None)
 
     def _note_graph(self, ev: Any) -> None:
-        """Keep track of which compiles the TPU compiler will answer for (under the lock)."""
+        """Keep track of the compiles not yet matched to their graph (under the lock)."""
         if getattr(ev, "settled", False):
             self._unsettled.discard(ev.index)
-            if getattr(getattr(ev, "graph", None), "proto", None) is not None:
-                self._for_tpu.add(ev.graph_hash or str(ev.index))  # what tpukit.tpu's follower compiles
         elif ev.kind in KINDS:
             self._unsettled.add(ev.index)
+
+    def add_pending(self, event: Any, seen_only: bool = False) -> None:
+        """The target's follower sent ``event``'s graph to the TPU compiler: an answer is on its way (``seen_only``:
+        only for a compile this dashboard saw)."""
+        if getattr(event, "host", 0):
+            return
+        with self._lock:
+            if not seen_only or event.index in self._kind_of:
+                self._for_tpu.add(event.graph_key)
 
     def settle(self, event: Any) -> None:
         """After the loop ended: a compile it saw now has its graph (a target's follower compiles it)."""
@@ -199,7 +206,7 @@ class DashboardState:
         ``seen_only``: only for a compile this dashboard saw. True when it is a new row."""
         if getattr(event, "host", 0):
             return False
-        key = event.graph_hash or str(event.index)
+        key = event.graph_key
         with self._lock:
             if key in self._tpu or (seen_only and key not in self._for_tpu and event.index not in self._kind_of):
                 return False
@@ -294,8 +301,12 @@ class DashboardState:
             if self._tracking or (self._last_end is not None and now - self._last_end < BUSY_AFTER_STEP_S):
                 busy = (self._last_step or 0) + 1
             text, kind = now_line(self._compiling(), now, busy)
+            stopped = getattr(self._tracker, "stopped", None)
+            stopped = str(stopped) if stopped is not None else None
             if self._finished is not None:
                 text, kind = f"closed: {self._n_steps} steps in {self._finished - self.opened:.1f} s", "idle"
+                if stopped:
+                    text, kind = f"{stopped} · {text}", "stopped"
             alerts, graphs, counts = tuple(self._alerts), tuple(self._graphs), dict(self._counts)
             n_steps, last_step, n_events = self._n_steps, self._last_step, self._n_events
             scalars, note, record_batch = dict(self._last_scalars), self.note, self._record_batch
@@ -328,7 +339,7 @@ class DashboardState:
                     expected=counts[EXPECTED], graphs=graphs, verdict=verdict, settled_after=settled,
                     tracked=tracked, loop_done=loop_done, eager_compiles=s["eager_compiles"],
                     eager_places=eager_places, tpu=tpu, step_compiles=in_steps, compiles_before=before,
-                    closed=closed)
+                    closed=closed, stopped=stopped)
 
     def timeline(self) -> Timeline:
         """Copies of the per-step columns and scalar curves for the plot."""

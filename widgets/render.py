@@ -161,6 +161,13 @@ def now_html(v: View) -> str:
     return f"<div><span style='color:{colour}'>●</span> <b>now</b> {_e(v.now)}</div>"
 
 
+def stopped_html(v: View) -> str:
+    """``stopped by RuntimeError at step 1`` in the alarm colour when an exception ended the loop, else ''."""
+    if not v.stopped:
+        return ""
+    return f"<div style='color:{BAD}'><b>{_e(v.stopped)}</b>: the loop ended with this exception</div>"
+
+
 def verdict_text(v: View) -> str | None:
     """Where the time goes, as one sentence with the shares and one suggestion (None before a tracked loop)."""
     if v.verdict is None:
@@ -232,11 +239,11 @@ def graphs_html(v: View) -> str:
 
 def tpu_rows(v: View) -> list[tuple[str, ...]]:
     """(graph, fits, HBM per chip of the limit, TPU compile, step floor) per graph compiled for the target."""
-    return [(name, "yes" if e.fits else f"NO ({e.status})",
-             f"{tpu.gb(e.hbm_bytes)} of {tpu.gb(e.hbm_limit_bytes)}" + (f" ({e.hbm_source})" if e.fits else ""),
-             f"{e.compile_s:.1f} s" if e.fits else "-",
-             f"{e.step_s_min * 1e3:.3g} ms ({e.bound})" if e.fits else (e.message or "").splitlines()[0][:120])
-            for name, e in v.tpu]
+    rows = []
+    for name, e in v.tpu:
+        fits, hbm, compile_s, floor = tpu.outcome.cells(e)
+        rows.append((name, fits, hbm, compile_s, floor if e.fits else (e.message or "").splitlines()[0][:120]))
+    return rows
 
 
 def tpu_text(name: str, e: Any) -> str:
@@ -295,6 +302,8 @@ def text_line(v: View, final: bool = False) -> str:
     if final:
         if v.verdict is not None:
             parts.append(f"{v.verdict.bottleneck}-bound")
+        if v.stopped:  # "stopped by RuntimeError at step 1" in place of "done · step 1"
+            return f"tpukit: {v.stopped} · " + " · ".join(parts[1:] + [f"{v.elapsed:.1f} s"])
         return "tpukit: done · " + " · ".join(parts + [f"{v.elapsed:.1f} s"])
     parts.append(v.now)
     return "tpukit: " + " · ".join(parts)
@@ -305,6 +314,8 @@ def text_report(v: View, runtime: Any = None, summary: bool = True) -> str:
     lines = []
     if summary:
         lines.append(header_text(runtime))
+        if v.stopped:
+            lines.append(f"  {v.stopped}")
         w = max(len(k) for k, _ in counter_rows(v))
         lines += [f"  {k:<{w}}  {val}" for k, val in counter_rows(v)]
     verdict = verdict_text(v)
@@ -332,6 +343,6 @@ def report_html(v: View, runtime: Any, tracing: bool, png: bytes | None = None) 
     """The static report: header, where the time goes, counters, the timeline (when ``png``),
     recompilations, new graphs and fallbacks (no widgets needed)."""
     return ("<div class='tpukit-report'>" + header_html(runtime, tracing, title="tpukit report")
-            + verdict_html(v) + table_html([(_e(k), _counter_value(v, k, val)) for k, val in counter_rows(v)], raw=True)
+            + stopped_html(v) + verdict_html(v) + table_html([(_e(k), _counter_value(v, k, val)) for k, val in counter_rows(v)], raw=True)
             + (image_html(png) if png else "")
             + alerts_html(v) + graphs_html(v) + tpu_html(v) + fallbacks_html(v) + "</div>")

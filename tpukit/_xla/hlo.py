@@ -16,6 +16,7 @@ import re
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
+from .._hlo_text import encode_varint, varint
 from .loader import xlac
 
 
@@ -80,26 +81,6 @@ _SPEC: dict = {3: {2: {7: {2: "counters", 15: None}}}, 17: None}
 _COUNTER = re.compile(rb"\.\d+(?=/)")  # a scope's counter: "module.layers.0.7/aten__addmm" -> "module.layers.0/..."
 
 
-def _varint(data: bytes, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, i
-
-
-def _encode(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def _rewrite(data: bytes, spec: dict) -> bytes:
     """``data`` (a serialized message) rewritten as ``spec`` says per field number (a dict: the field's message,
     rewritten by it; ``"counters"``: a string without scope counters; None: dropped); the same object when
@@ -110,13 +91,13 @@ def _rewrite(data: bytes, spec: dict) -> bytes:
         key = data[i]
         i += 1
         if key >= 0x80:
-            key, i = _varint(data, start)
+            key, i = varint(data, start)
         kind = key & 7
         if kind == 2:
             size = data[i]
             j = i + 1
             if size >= 0x80:
-                size, j = _varint(data, i)
+                size, j = varint(data, i)
             i = j + size
         elif kind == 0:
             while data[i] >= 0x80:
@@ -140,7 +121,7 @@ def _rewrite(data: bytes, spec: dict) -> bytes:
         new = _COUNTER.sub(b"", body) if rule == "counters" else _rewrite(body, rule)
         if new != body:
             out += data[kept:start]
-            out += _encode(key) + _encode(len(new)) + new
+            out += encode_varint(key) + encode_varint(len(new)) + new
             kept = i
     if not kept:
         return data

@@ -61,6 +61,12 @@ class CompileEvent:
     place: str | None = None     # the place in its loop's terms (LoopContext.place), else the user's line
 
     @property
+    def graph_key(self) -> str:
+        """The one key of its graph, as the target's follower sends it and the dashboard waits for it: torch_xla's
+        graph hash, else the graph's structure, else the event's index."""
+        return self.graph_hash or (self.graph.structure if self.graph is not None else "") or str(self.index)
+
+    @property
     def compiling(self) -> bool:
         """True while the compilation has not finished."""
         return self.end is None

@@ -22,6 +22,8 @@ import re
 import threading
 from dataclasses import dataclass, field
 
+from .._hlo_text import varint
+
 _MODULE_FILE = re.compile(r"^module_(\d+)\.(?P<name>[\w.\-]+?)\.before_optimizations\.txt$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<rest>.*)$")
 _LAYOUT = re.compile(r"\{[^{}]*\}")
@@ -171,31 +173,20 @@ def module_proto(hlo_proto: bytes) -> bytes | None:
     """The ``HloModuleProto`` inside an ``HloProto`` as XLA dumps it (field 1, length-delimited)."""
     i = 0
     while i < len(hlo_proto):
-        key, i = _varint(hlo_proto, i)
+        key, i = varint(hlo_proto, i)
         number, wire = key >> 3, key & 7
         if wire == 2:
-            size, i = _varint(hlo_proto, i)
+            size, i = varint(hlo_proto, i)
             if number == 1:
                 return hlo_proto[i:i + size]
             i += size
         elif wire == 0:
-            _, i = _varint(hlo_proto, i)
+            _, i = varint(hlo_proto, i)
         elif wire in (1, 5):
             i += 8 if wire == 1 else 4
         else:
             return None
     return None
-
-
-def _varint(data: bytes, i: int) -> tuple[int, int]:
-    value, shift = 0, 0
-    while True:
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        if byte < 0x80:
-            return value, i
-        shift += 7
 
 
 _PASS_THROUGH = ("broadcast", "reshape", "convert", "bitcast", "copy")

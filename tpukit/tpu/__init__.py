@@ -1,45 +1,60 @@
 """TPU truth without a TPU: the real TPU compiler (libtpu, compile-only, in a worker process) for any target.
 
-- :func:`estimate` / :func:`largest_batch`: trace a step, never run it, compile it for a TPU slice.
-- :func:`compile_graph` / :func:`compile_graph_async`: a graph the kit already has, for the target.
-- :func:`target` / :data:`TARGETS` / :func:`default_target`: the table of TPU slices (``TPUKIT_TARGET``).
-- :func:`bucket_costs`: the bucket advisor's costs from the target's compiler.
-- :class:`Refusal` (``TpuEstimate.refusal``): why a step does not fit, in the compiler's words (its totals
-  and its largest allocations), read by :mod:`.refusal`.
-- :class:`MemoryBreakdown` (``TpuEstimate.memory``, ``estimate(..., memory=True)``): the HBM at the peak by
-  kind and source line, from the compiler's dump (:mod:`.dump`) or its refusal, with advice checked by a
-  compile (:mod:`.advice`).
-- :func:`follow` (``tpukit.setup(target=...)``): every graph the kit records, estimated in the background
-  (:func:`unfollow` stops it).
-- :func:`compiler` / :data:`RUNTIMES` / :class:`Compiler`: which TPU compiler answers (``compiler=`` of
-  every estimate: ``"torch_xla 2.8"``, ``"libtpu 0.0.17"``, ``"newest"``; default: the installed torch_xla's),
-  each in its own environment (:mod:`.envs`) unless installed here; :func:`compare`: one step, several
-  targets and compilers, one table.
+Two rooms, along the process line:
 
-The parent process never imports jax or libtpu; only :mod:`._jax`, in the worker, does.
+- :mod:`.compiler` (the far side: nothing of torch): the TPU slices (:mod:`~.compiler.targets`), which
+  compiler answers (:mod:`~.compiler.pins`), its environment, worker process, flags, answer cache and
+  refusal reading.
+- The rest (this process): :mod:`.trace` turns a step into a graph without running it; :mod:`.ask` is the one
+  seam from a traced step to an outcome (:mod:`.outcome`: :class:`TpuEstimate`, its status, its forms) and
+  where names become objects; :mod:`.estimate`, :mod:`.search` (:func:`largest_batch`), :mod:`.compare`,
+  :mod:`.recorded` (:func:`compile_graph` of a graph the kit recorded) and :mod:`.followers` (every recorded
+  graph, in the background) all call it; :mod:`.memory` and :mod:`.dump` say why (the HBM at the peak by
+  kind and line), :mod:`.advice` what to change (one list, each checked by a compile).
+
+The public names below are bound on first use (importing :mod:`.compiler` alone, as the runtime does, loads
+nothing of this side). The parent process never imports jax or libtpu; only :mod:`.compiler._jax`, in the
+worker, does.
 """
 
 from __future__ import annotations
 
-from . import advice, compilers, dump, envs, memory, refusal
-from .compare import Comparison, compare
-from .compilers import RUNTIMES, Compiler, CompilerError, compiler
-from .envs import CompilerEnvError
-from .estimate import BatchFit, estimate, largest_batch
-from .follow import Follower, follow, follower, line, unfollow, watch_follower
-from .graphs import bucket_costs, compile_graph, compile_graph_async
-from .memory import Buffer, MemoryBreakdown, MemoryRow
-from .record import Suggestion, TpuCompileError, TpuEstimate, gb
-from .refusal import Allocation, Refusal
-from .targets import TARGETS, Chip, Target, TargetError, default_target, target
-from .worker import (TpuCompilerMissingError, WorkerError, available, cache_dir, cache_info, check, require, stop, versions,
-                     worker_pid)
+import importlib
+from typing import Any
 
-__all__ = [
-    "estimate", "largest_batch", "BatchFit", "TpuEstimate", "Suggestion", "compile_graph", "compile_graph_async",
-    "bucket_costs", "target", "TARGETS", "Target", "Chip", "default_target", "available", "versions",
-    "cache_dir", "cache_info", "worker_pid", "stop", "TargetError", "TpuCompileError", "TpuCompilerMissingError",
-    "WorkerError", "Follower", "follow", "follower", "unfollow", "line", "require", "gb", "Refusal", "Allocation",
-    "refusal", "compilers", "envs", "compiler", "Compiler", "CompilerError", "CompilerEnvError", "RUNTIMES",
-    "compare", "Comparison", "MemoryBreakdown", "MemoryRow", "Buffer", "memory", "dump", "advice",
-]
+# Public name -> the module that defines it.
+_WHERE = {
+    "estimate": "estimate", "largest_batch": "search", "BatchFit": "search", "compare": "compare",
+    "Comparison": "compare", "TpuEstimate": "outcome", "Suggestion": "outcome", "TpuCompileError": "outcome",
+    "line": "outcome", "gb": "outcome", "compile_graph": "recorded", "compile_graph_async": "recorded",
+    "bucket_costs": "recorded", "Follower": "followers", "follow": "followers", "follower": "followers",
+    "unfollow": "followers", "MemoryBreakdown": "memory", "MemoryRow": "memory", "Buffer": "memory",
+    "check": "tools", "require": "tools", "worker_pid": "tools", "stop": "tools",
+    "target": "compiler", "TARGETS": "compiler", "Target": "compiler", "TargetError": "compiler",
+    "RUNTIMES": "compiler", "Compiler": "compiler", "CompilerError": "compiler", "Refusal": "compiler",
+    "available": "compiler", "versions": "compiler", "cache_dir": "compiler", "cache_info": "compiler",
+    "TpuCompilerMissingError": "compiler", "WorkerError": "compiler", "CompilerEnvError": "compiler",
+}
+__all__ = list(_WHERE)
+_MODULES = ("trace", "outcome", "dump", "memory", "ask", "search", "advice", "estimate", "compare", "recorded",
+            "followers", "tools")
+
+
+def _load() -> None:
+    """Import this side's modules and bind the public names (a submodule's import binds its own name on this
+    package: ``estimate`` is a module and a function, so the function is bound after)."""
+    for name in _MODULES:
+        importlib.import_module(f".{name}", __name__)
+    for name, where in _WHERE.items():
+        globals()[name] = getattr(importlib.import_module(f".{where}", __name__), name)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE or name in _MODULES:
+        _load()
+        return globals()[name] if name in _WHERE else importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'tpukit.tpu' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE) | set(_MODULES))

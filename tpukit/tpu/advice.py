@@ -1,4 +1,9 @@
-"""What to change when a step's HBM is too much, read from its breakdown, and checked by a compile.
+"""What to change when a step's HBM is too much, each change checked by a compile: the one list of advice.
+
+:func:`suggest` (a step the compiler refused): the largest batch that fits (:mod:`.search`), gradient
+accumulation at that size, bf16 autocast, FSDP over the chips of a slice of its chip. :func:`advise` (a step
+whose breakdown is known, ``memory=True``): what dominates the peak. Both give
+:class:`~.outcome.Suggestion` records, one list on the estimate (``est.advice``).
 
 The breakdown (:mod:`.memory`) says what holds the HBM at the peak. When
 activations kept for backward dominate (attention scores and probabilities,
@@ -23,16 +28,20 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import re
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 from .. import _tree, _xla
 from .._xla import hlo as _hlo
-from . import worker
+from .ask import ask
+from .compiler.pins import Compiler
+from .compiler.targets import TARGETS, Target
 from .memory import MemoryBreakdown, attention_like
-from .record import Suggestion, TpuCompileError, from_reply
-from .targets import TARGETS, Target
+from .outcome import REJECTED, Suggestion, TpuEstimate, gb
+from .search import search
 from .trace import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Traced, _owners, trace
 
 CHECKPOINT = "checkpoint each layer"
@@ -291,31 +300,128 @@ def _bf16_checked(step: Callable, args: tuple, kwargs: dict, traced: Traced, tgt
             cast = trace(step, a16, kw16)
     except Exception as exc:  # the step may not run in bf16 as written (an fp32 tensor it makes itself)
         return None, None, f"tracing the step in bf16 raised {type(exc).__name__}: {_gist(exc)}"
-    try:
-        hbm, fits = _checked(cast, tgt, name, compiler)
-    except TpuCompileError as exc:  # torch_xla traces an fp32 x bf16 matmul without complaint; the compiler not
-        return None, None, (f"the TPU compiler rejected the step in bf16 ({_gist(exc)}; a floating tensor the "
-                            "step reads other than its arguments stays fp32 in the check)")
-    return hbm, fits, ""
+    est = ask(cast, tgt, compiler, name)
+    if est.status == REJECTED:  # torch_xla traces an fp32 x bf16 matmul without complaint; the compiler not
+        return None, None, (f"the TPU compiler rejected the step in bf16 ({_gist(est.message)}; a floating tensor "
+                            "the step reads other than its arguments stays fp32 in the check)")
+    return est.hbm_bytes, est.fits, ""
 
 
-def _gist(exc: Exception) -> str:
+def _gist(exc: Exception | str) -> str:
     """The gist of an error: the compiler's ``error:`` line without its location, else the first line."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     err = next((line for line in lines if line.startswith("error:")), None)
     if err is not None:
         return err.rsplit("]: ", 1)[-1][:200]
-    return lines[0][:200] if lines else type(exc).__name__
+    return lines[0][:200] if lines else (type(exc).__name__ if isinstance(exc, Exception) else "")
 
 
-def _checked(traced: Traced, tgt: Target, name: str, compiler: Any, shard_over: int = 1) -> tuple[int, bool]:
-    est = from_reply(worker.compile(worker.Request(traced.hlo, tgt, traced.num_partitions, traced.aliases,
-                                                   shard_over, compiler)), tgt, name)
+def _checked(traced: Traced, tgt: Target, name: str, compiler: Compiler, shard_over: int = 1) -> tuple[int, bool]:
+    est = ask(traced, tgt, compiler, name, shard_over)
     return est.hbm_bytes, est.fits
 
 
+def wide_target(tgt: Target) -> Target:
+    """The slice FSDP advice is about: the target itself when it has several chips, else the eight-chip slice
+    of its chip (a v5e-1's v5e-8), else the target."""
+    return tgt if tgt.chips > 1 else TARGETS.get(f"{tgt.chip.name}-8", tgt)
+
+
+def _fsdp(traced: Traced, tgt: Target, name: str, compiler: Compiler, how: str, check: bool = True
+          ) -> Suggestion | None:
+    """FSDP over the slice of :func:`wide_target`, compiled with every argument split over its chips."""
+    wide = wide_target(tgt)
+    if wide.chips < 2 or traced.num_partitions != 1:
+        return None
+    hbm = fits = None
+    if check:
+        hbm, fits = _checked(traced, wide, name, compiler, wide.chips)
+    return Suggestion(f"FSDP over {wide.chips} chips", how.format(wide=wide), hbm, fits)
+
+
+def _batch_rows(args: tuple, kwargs: dict) -> int | None:
+    """The leading size the step's tensor arguments share (the batch), when they share one."""
+    import torch
+
+    sizes = set()
+    stack = list(args) + list(kwargs.values())
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor) and x.dim() >= 1:
+            sizes.add(int(x.shape[0]))
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def first_rows(x: Any, n: int) -> Any:
+    """``x`` (a tensor, or a dict/list/tuple of them) with only its first ``n`` rows."""
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x[:n] if x.dim() >= 1 else x
+    if isinstance(x, dict):
+        return type(x)({k: first_rows(v, n) for k, v in x.items()})
+    if isinstance(x, (list, tuple)):
+        return type(x)(first_rows(v, n) for v in x)
+    return x
+
+
+def suggest(est: TpuEstimate, step: Callable, args: tuple, kwargs: dict, traced: Traced, tgt: Target,
+            comp: Compiler, name: str) -> tuple[Suggestion, ...]:
+    """For a step the compiler refused: compile it again with each change, and say the per-chip HBM each gives
+    (a smaller batch, gradient accumulation at that batch, bf16 autocast, FSDP over a slice's chips)."""
+    import torch
+
+    out: list[Suggestion] = []
+    rows = _batch_rows(args, kwargs)
+    if rows and rows > 1:
+        fit = search(lambda b: trace(step, first_rows(args, b), first_rows(kwargs, b)), tgt, comp, name,
+                     below=rows, steps=2)
+        if fit.batch:
+            b, at_b = fit.batch, fit.estimate
+            out.append(Suggestion(f"batch {b}", f"the largest batch that fits (of {rows})", at_b.hbm_bytes, True,
+                                  batch=b))
+            k = math.ceil(rows / b)
+            micro = math.ceil(rows / k)  # k micro-batches of at most b rows that add up to the batch asked
+            total = f"{k} x {micro} = {k * micro} rows" + ("" if k * micro == rows else f", for the {rows} asked")
+            out.append(Suggestion(f"accumulate {k} x {micro}",
+                                  f"gradient accumulation: {k} micro-batches of {micro} rows ({total}), one "
+                                  f"optimizer step; checked at {b} rows, the largest batch that fits",
+                                  at_b.hbm_bytes, True, batch=micro))
+    try:
+        with torch.autocast("xla", dtype=torch.bfloat16):
+            bf = ask(trace(step, args, kwargs), tgt, comp, name)
+        out.append(Suggestion("bf16 autocast", "torch.autocast('xla', dtype=torch.bfloat16) around the forward "
+                              "(checked as that; model.to(torch.bfloat16) halves the weights too, not checked)",
+                              bf.hbm_bytes if bf.status != REJECTED else None, bf.fits if bf.status != REJECTED
+                              else None, unchecked=None if bf.status != REJECTED else _gist(bf.message)))
+    except Exception as exc:  # autocast may not apply to this step: say so rather than fail the estimate
+        out.append(Suggestion("bf16 autocast", f"could not be estimated ({type(exc).__name__})",
+                              unchecked=_gist(exc)))
+    fsdp = _fsdp(traced, tgt, name, comp, "tpukit.fsdp(model, tpukit.mesh()) on {wide.name}")
+    return tuple(out) + ((fsdp,) if fsdp else ())
+
+
+def smaller_batch_breakdown(est: TpuEstimate, tips: tuple[Suggestion, ...], step: Callable, args: tuple,
+                            kwargs: dict, tgt: Target, comp: Compiler, name: str) -> MemoryBreakdown | None:
+    """For a refused step whose refusal lists no allocations: the breakdown of the largest batch that fits
+    (from ``tips``' batch), said so; None without one."""
+    b = next((s.batch for s in tips if s.change.startswith("batch ") and s.fits), None)
+    if b is None:
+        return None
+    smaller = ask(trace(step, first_rows(args, b), first_rows(kwargs, b)), tgt, comp, name, dump=True)
+    if smaller.memory is None or not smaller.fits:
+        return None
+    return replace(smaller.memory, source=f"compiler dump of batch {b}, the largest that fits",
+                   note=f"the refusal of the step lists no allocations: this is batch {b}'s peak "
+                        f"({gb(smaller.hbm_bytes)}), which fits; the refused batch needs {gb(est.hbm_bytes)}")
+
+
 def advise(why: MemoryBreakdown, step: Callable, args: tuple, kwargs: dict, traced: Traced, tgt: Target,
-           name: str = "step", compiler: Any = None, check: bool = True) -> tuple[Suggestion, ...]:
+           name: str = "step", compiler: Compiler | None = None, check: bool = True) -> tuple[Suggestion, ...]:
     """What to change, from what dominates the peak in ``why``, each change compiled when it can be (``check``;
     ``hbm_bytes``/``fits`` stay None when it was not)."""
     lm_heads = heads(step, args, kwargs) if step is not None else []
@@ -336,46 +442,38 @@ def advise(why: MemoryBreakdown, step: Callable, args: tuple, kwargs: dict, trac
         if check and found:
             with checkpointed(found):
                 hbm, fits = _checked(trace(step, args, kwargs), tgt, name, compiler)
-        elif not found:
-            how += "; no repeated layers were found to check it with"
-        out.append(Suggestion(CHECKPOINT, how, hbm, fits))
+        out.append(Suggestion(CHECKPOINT, how, hbm, fits,
+                              unchecked=None if found else "no repeated layers were found to check it with"))
     elif top == "state" and part["state"] >= DOMINANT:
-        wide = tgt if tgt.chips > 1 else TARGETS.get(f"{tgt.chip.name}-8", tgt)
-        if wide.chips > 1 and traced.num_partitions == 1:
-            hbm = fits = None
-            if check:
-                hbm, fits = _checked(traced, wide, name, compiler, wide.chips)
-            out.append(Suggestion(f"FSDP over {wide.chips} chips",
-                                  f"parameters, gradients and optimizer state are {part['state']:.0%} of the peak: "
-                                  f"tpukit.fsdp(model, tpukit.mesh()) on {wide.name} splits them over its chips",
-                                  hbm, fits))
+        fsdp = _fsdp(traced, tgt, name, compiler, f"parameters, gradients and optimizer state are {part['state']:.0%} "
+                     "of the peak: tpukit.fsdp(model, tpukit.mesh()) on {wide.name} splits them over its chips", check)
+        if fsdp:
+            out.append(fsdp)
         how = ("model.to(torch.bfloat16) (before the optimizer makes its state) and the batch's floating tensors "
                "in bf16 halve parameters, gradients and optimizer state (keep an fp32 copy for the update if the "
                "loss needs it)")
         hbm = fits = None
         if check:
             hbm, fits, why_not = _bf16_checked(step, args, kwargs, traced, tgt, name, compiler)
-            if why_not:
-                how += f"; not checked: {why_not}"
-        out.append(Suggestion(BF16, how, hbm, fits))
+        out.append(Suggestion(BF16, how, hbm, fits, unchecked=why_not or None))
     elif top == "logits" and part["logits"] >= DOMINANT:
         how = (f"the logits and their log-softmax are {part['logits']:.0%} of the peak: compute the loss over "
                "slices of the rows (batch x sequence), the head's projection inside each slice and each slice under "
                "torch_xla.utils.checkpoint.checkpoint, so one slice's logits are live at a time")
-        hbm = fits = None
+        hbm = fits = why_not = None
         if not lm_heads:
-            how += ("; not checked: that rewrites the step's code (where the head ends and the loss begins), which "
-                    "the kit can do only for a Hugging Face causal or masked LM's head and loss")
+            why_not = ("that rewrites the step's code (where the head ends and the loss begins), which the kit can "
+                       "do only for a Hugging Face causal or masked LM's head and loss")
         elif check:
             try:
                 with chunked_loss(lm_heads):
                     chunked = trace(step, args, kwargs)
             except Exception as exc:  # the model does to its logits what its hidden states cannot take
-                how += f"; not checked: tracing the step with a chunked loss raised {type(exc).__name__}: {_gist(exc)}"
+                why_not = f"tracing the step with a chunked loss raised {type(exc).__name__}: {_gist(exc)}"
             else:
                 how += f" (checked as {', '.join(path for _, path, _ in lm_heads)} and the model's loss in 8 slices)"
                 hbm, fits = _checked(chunked, tgt, name, compiler)
-        out.append(Suggestion(CHUNKED_LOSS, how, hbm, fits))
+        out.append(Suggestion(CHUNKED_LOSS, how, hbm, fits, unchecked=why_not))
     else:
         out.append(Suggestion("smaller batch", "neither the layers' activations, the logits nor the model's state "
                                                f"is {DOMINANT:.0%} of the peak: tpukit.largest_batch(step, "

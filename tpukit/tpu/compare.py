@@ -17,12 +17,12 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 from .._text import table_html, table_text
-from . import worker
-from .compilers import Compiler, compiler as _compiler, describe, role
-from .estimate import _check, _compile, _fsdp, _name, _resolve
-from .record import TpuCompileError, TpuEstimate, gb, refused
-from .targets import Target
-from .trace import retie, trace
+from .ask import ask, begin, check, fsdp_chips, resolve
+from .compiler import worker
+from .compiler.pins import Compiler, role
+from .compiler.targets import Target
+from .outcome import TpuEstimate, cells
+from .trace import trace
 
 HEAD = ("target", "compiler", "fits", "HBM per chip", "TPU compile", "step at best")
 
@@ -40,6 +40,7 @@ class Comparison:
     step: str
     estimates: tuple[TpuEstimate, ...]
     note: str | None = None  # what the step's estimate is of, when it may not be what was meant
+    unsharded: tuple[str, ...] = ()  # several-chip targets this one-device step was compiled for on one chip
 
     def of(self, target: str, compiler: str) -> TpuEstimate:
         """The estimate for ``target`` by the compiler asked as ``compiler`` (its name: ``"torch_xla 2.8"``)."""
@@ -61,27 +62,19 @@ class Comparison:
 
     def rows(self) -> list[tuple[str, ...]]:
         """One row per estimate, in :data:`HEAD`'s columns."""
-        out = []
-        for e in self.estimates:
-            if e.fits:
-                hbm = f"{gb(e.hbm_bytes)} of {gb(e.hbm_limit_bytes)} ({e.hbm_bytes / e.hbm_limit_bytes:.0%}), " \
-                      f"{e.hbm_source}"
-                floor = f"{e.step_s_min * 1e3:.3g} ms, {e.bound}-bound"
-            else:
-                hbm = f"needs {gb(e.hbm_bytes)} of {gb(e.hbm_limit_bytes)}" if e.hbm_bytes else \
-                    f"? of {gb(e.hbm_limit_bytes)}"
-                floor = "-"
-            out.append((e.target, _who(e), "yes" if e.fits else f"NO ({e.status})", hbm,
-                        f"{e.compile_s:.1f} s", floor))
-        return out
+        return [(e.target, _who(e), *cells(e)) for e in self.estimates]
 
     def notes(self) -> list[str]:
-        """What the table cannot hold: each refusal's first line, whether the compilers disagree, the note."""
+        """What the table cannot hold: each refusal's first line, whether the compilers disagree, what a
+        several-chip row of a one-device step is, the note."""
         out = [f"{e.target} by {e.compiler_name or e.compiler}: {(e.message or '').splitlines()[0][:200]}"
                for e in self.estimates if not e.fits and e.message]
         split = self._split()
         if split:
             out.append(f"the compilers disagree on {', '.join(split)}: the runtime you will run decides")
+        if self.unsharded:
+            out.append(f"{', '.join(self.unsharded)}: one chip's program of this one-device step (nothing is split "
+                       "over the chips; the same as one chip's row): fsdp=True asks for it sharded over them")
         return out + ([self.note] if self.note else [])
 
     def __str__(self) -> str:
@@ -118,21 +111,15 @@ def compare(step: Callable, *args: Any, targets: Iterable[str | Target | None] =
     asked = list(pairs) if pairs is not None else [(t, c) for t in targets for c in compilers]
     if not asked:
         raise ValueError("tpukit.compare needs at least one target and one compiler.")
-    resolved = [(_resolve(t), _compiler(c)) for t, c in asked]  # unknown names fail before anything is traced
+    resolved = [resolve(t, c) for t, c in asked]  # unknown names fail before anything is traced
     for comp in dict.fromkeys(c for _, c in resolved):
         worker.require(comp)
-    worker.warm(resolved[0][1])
-    name = _name(step)
-    retie(step, args, kwargs, "tpukit.compare")
+    name = begin(step, args, kwargs, resolved[0][1], "tpukit.compare")
     traced = trace(step, args, kwargs)
-    note = _check(traced, name, "tpukit.compare")
+    note = check(traced, name, "tpukit.compare")
 
-    def one(tgt: Target, comp: Compiler) -> TpuEstimate:
-        try:
-            est = _compile(traced, tgt, name, _fsdp(traced, tgt, fsdp), comp)
-        except TpuCompileError as exc:  # refused for another reason than memory: a row, not the end
-            est = replace(refused(tgt, str(exc)), compiler=describe(comp.versions()), compiler_name=comp.name)
-        return replace(est, note=note)
+    def one(tgt: Target, comp: Compiler) -> TpuEstimate:  # a refusal of any kind is a row, not the end
+        return replace(ask(traced, tgt, comp, name, fsdp_chips(traced, tgt, fsdp)), note=note)
 
     def each(comp: Compiler) -> dict[int, TpuEstimate]:  # one compiler's pairs, in turn, on its worker
         return {i: one(tgt, c) for i, (tgt, c) in enumerate(resolved) if c == comp}
@@ -141,4 +128,6 @@ def compare(step: Callable, *args: Any, targets: Iterable[str | Target | None] =
     with ThreadPoolExecutor(max_workers=max(1, min(len(by), os.cpu_count() or 1)),
                             thread_name_prefix="tpukit-compare") as pool:
         done = {i: est for found in pool.map(each, by) for i, est in found.items()}
-    return Comparison(name, tuple(done[i] for i in range(len(resolved))), note)
+    unsharded = () if fsdp or traced.num_partitions > 1 else tuple(
+        dict.fromkeys(t.name for t, _ in resolved if t.chips > 1))
+    return Comparison(name, tuple(done[i] for i in range(len(resolved))), note, unsharded)

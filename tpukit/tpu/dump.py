@@ -27,6 +27,8 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .._hlo_text import strip_layout
+
 PARAMETER, OUTPUT, TEMPORARY, FREE, CONSTANT = "parameter", "output", "temporary", "free", "constant"
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 _SCOPE = "module."  # tpukit.tpu.trace's op-name scope of a module ("module.layers.0.3/aten__addmm")
@@ -83,10 +85,6 @@ def files(folder: str | Path) -> dict[str, Path]:
 
 def _name(value: str) -> str:
     return value if "{" in value else value + "{}"
-
-
-def _strip_layout(shape: str) -> str:
-    return re.sub(r"\{[^{}]*\}", "", re.sub(r"\{[^{}]*\([^{}]*\)[^{}]*\}", "", shape)).strip()
 
 
 def _metadata(instruction: str) -> dict[str, str]:
@@ -189,7 +187,7 @@ def _held(name: str, size: int, shape: str, role: str, text: _Text, index: int |
     phase = phase_of(op, src)
     end = text.live.get(name, (0, -1))[1]
     kept = phase == FORWARD and backward_from is not None and end > backward_from
-    return Held(size, role, name, _strip_layout(shape), index, op.rsplit("/", 1)[-1] if op else None, src,
+    return Held(size, role, name, strip_layout(shape), index, op.rsplit("/", 1)[-1] if op else None, src,
                 module_of(op), phase, kept, origin)
 
 

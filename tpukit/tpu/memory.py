@@ -17,37 +17,32 @@ A step the compiler refused gets one too, without a dump: its refusal lists the
 program's largest allocations (:mod:`.refusal`), mapped to the same kinds and
 lines (``source`` says which). The record is plain data with a text and an HTML
 table and a matplotlib bar chart (:meth:`MemoryBreakdown.plot`); advice, each
-piece checked by a compile where it can be, is in :mod:`.advice`.
+piece checked by a compile where it can be, is in :mod:`.advice` (on the estimate: ``est.advice``).
 """
 
 from __future__ import annotations
 
 import html
-import json
-import logging
-import re
-import tempfile
 from collections import defaultdict
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 from .. import _text
-from . import dump as _dump, envs, worker
-from .compilers import compiler as _compiler
-from .record import Suggestion, TpuEstimate, from_reply, gb
-from .refusal import Refusal, short
-from .targets import Target
+from .._hlo_text import dims
+from . import dump as _dump
+from .compiler.refusal import Refusal, short
+from .outcome import gb
 from .trace import ACTIVATIONS, GRADIENTS, INPUTS, OPTIMIZER, OUTPUTS, PARAMETERS, TEMPORARIES, Traced
-
-log = logging.getLogger("tpukit")
 
 KINDS = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES, INPUTS, OUTPUTS)
 CODE = "program code"
 DUMP = "compiler dump"  # MemoryBreakdown.source: the dump of this very compile
 REFUSAL = "compiler refusal"  # the refusal's list of the program's largest allocations
 _STATE = (PARAMETERS, GRADIENTS, OPTIMIZER, INPUTS, OUTPUTS, CODE)  # grouped by kind alone in rows()
-_FORMAT = 1  # of the cached breakdowns (part of their file name)
+# Why the kinds have no row of gradients when none shows: the optimizer's update reads each gradient as it is
+# made, so the compiler rarely keeps them all at once (zero_grad(set_to_none=True) frees them in the graph).
+NO_GRADIENTS = ("no gradients row: the compiler consumed each gradient in the update as the backward made it, "
+                "so none was live at the peak")
 
 
 @dataclass(frozen=True)
@@ -66,9 +61,7 @@ class Buffer:
     @property
     def dims(self) -> tuple[int, ...]:
         """The shape's dimensions (``f32[8,1024,32000]{2,1,0}``: 8, 1024, 32000); () when it is unknown."""
-        if "[" not in self.shape:
-            return ()
-        return tuple(int(d) for d in re.findall(r"\d+", self.shape.split("[", 1)[1].split("]", 1)[0]))
+        return dims(self.shape)
 
     @property
     def where(self) -> str:
@@ -101,7 +94,6 @@ class MemoryBreakdown:
     source: str  # DUMP, REFUSAL, or "compiler dump of batch N" (a smaller batch than the step's)
     peak_bytes: int | None = None  # the estimate's HBM figure the buffers account for (None: not known)
     note: str | None = None
-    advice: tuple[Suggestion, ...] = ()  # what to change, with the HBM a compile gives after it (tpu.advice)
 
     def by_kind(self) -> dict[str, int]:
         """Bytes per kind, largest first."""
@@ -153,16 +145,21 @@ class MemoryBreakdown:
         return [f"{s} ({p}) {k}" + (f": {w}" if w else "") for s, p, k, w in self.table(size)]
 
     def summary(self) -> list[tuple[str, str]]:
-        """The (label, value) rows :class:`~.record.TpuEstimate`'s table adds: the kinds, then (from a dump:
-        a refusal's own list is already there) the largest rows, then the advice."""
+        """The (label, value) rows :class:`~.outcome.TpuEstimate`'s table adds: the kinds, then (from a dump:
+        a refusal's own list is already there) the largest rows."""
         out = [("why: HBM at the peak", f"{gb(self.total_bytes)} from the {self.source}: " +
                 ", ".join(f"{k} {gb(v)}" for k, v in self.by_kind().items()))]
         if self.source != REFUSAL:
             out += [("", line) for line in self.lines()]
-        if self.note:
-            out.append(("  note", self.note))
-        out += [(f"try: {s.change}", s.how + _after(s)) for s in self.advice]
+        for note in (self.note, self._gradients_note()):
+            if note:
+                out.append(("  note", note))
         return out
+
+    def _gradients_note(self) -> str | None:
+        """Why a training step's breakdown has no gradients row (from a dump, with optimizer state in it)."""
+        kinds = self.by_kind()
+        return NO_GRADIENTS if self.source != REFUSAL and OPTIMIZER in kinds and GRADIENTS not in kinds else None
 
     def _title(self) -> str:
         peak = f" (the estimate's figure: {gb(self.peak_bytes)})" if self.peak_bytes else ""
@@ -171,16 +168,11 @@ class MemoryBreakdown:
 
     def __str__(self) -> str:
         text = _text.table_text(self.table(), title=self._title())
-        extra = [f"  note: {self.note}"] if self.note else []
-        extra += [f"  try: {s.change}: {s.how}" + _after(s) for s in self.advice]
-        return "\n".join([text] + extra)
+        return "\n".join([text] + [f"  note: {n}" for n in (self.note, self._gradients_note()) if n])
 
     def _repr_html_(self) -> str:
         page = _text.table_html(self.table(), title=self._title(), head=("HBM", "share", "kind", "where"))
-        extra = f"<p>{html.escape(self.note)}</p>" if self.note else ""
-        extra += "".join(f"<p>try: <b>{html.escape(s.change)}</b>: {html.escape(s.how + _after(s))}</p>"
-                         for s in self.advice)
-        return page + extra
+        return page + "".join(f"<p>{html.escape(n)}</p>" for n in (self.note, self._gradients_note()) if n)
 
     def plot(self, ax: Any = None) -> Any:
         """A horizontal bar chart of :meth:`rows` (GB, coloured by kind) on ``ax`` (a new figure without one);
@@ -208,12 +200,6 @@ def _first(items: Any, n: int = 3) -> tuple[str, ...]:
         if len(out) >= n:
             break
     return tuple(out)
-
-
-def _after(s: Suggestion) -> str:
-    if s.hbm_bytes is None:
-        return " (not checked by a compile)"
-    return f" -> {gb(s.hbm_bytes)}, " + ("fits" if s.fits else "still too big") + " (checked by a compile)"
 
 
 def _state_kind(kind: str, name: str) -> tuple[str, str]:
@@ -285,69 +271,6 @@ def from_refusal(refusal: Refusal, traced: Traced | None = None) -> MemoryBreakd
     note = (f"the refusal lists the program's largest allocations: {gb(listed)} of its {gb(whole)}"
             if listed < 0.999 * whole else None)
     return MemoryBreakdown(whole, tuple(out), REFUSAL, peak_bytes=refusal.used_bytes, note=note)
-
-
-def _cache_path(key: str) -> Path:
-    return worker.cache_dir() / key[:2] / f"{key}.memory{_FORMAT}.json"
-
-
-def _dumped(request: worker.Request) -> tuple[dict, _dump.Dump | None]:
-    """The worker's answer for ``request`` compiled with a dump, and the dump read (None when the compiler
-    wrote none). Kept on disk beside the answers of :func:`worker.compile`, by the same key."""
-    request = replace(request, compiler=_compiler(request.compiler))
-    path = _cache_path(request.key())
-    if path.exists():
-        try:
-            data = json.loads(path.read_text())
-            return (worker._named(data["reply"], request.compiler),
-                    _dump.Dump.from_json(data["dump"]) if data.get("dump") else None)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    with tempfile.TemporaryDirectory(prefix="tpukit-dump-") as folder:
-        reply = worker.compile_dump(request, folder)
-        try:
-            found = _dump.read(folder)
-        except FileNotFoundError:
-            found = None
-    if "error" not in reply or reply.get("memory"):  # a passing fault of the install is asked again
-        try:
-            envs.write_json(path, {"reply": reply, "dump": found.to_json() if found else None})
-        except OSError as exc:
-            log.warning("tpukit: could not keep the HBM breakdown in %s: %s", path, exc)
-    return reply, found
-
-
-def estimate_with_breakdown(traced: Traced, tgt: Target, name: str, shard_over: int = 1,
-                            compiler: Any = None) -> TpuEstimate:
-    """Compile ``traced`` for ``tgt`` once, with the compiler's dump, and return its estimate with
-    ``memory`` set: from the dump when it compiled, from the refusal's list when it did not."""
-    reply, found = _dumped(worker.Request(traced.hlo, tgt, traced.num_partitions, traced.aliases, shard_over,
-                                          compiler))
-    est = from_reply(reply, tgt, name)
-    if est.fits and found is not None:
-        why = from_dump(found, traced, reply)
-        return replace(est, memory=replace(why, peak_bytes=est.hbm_bytes))
-    return replace(est, memory=breakdown_of_refusal(est, traced))
-
-
-def breakdown_of_refusal(est: TpuEstimate, traced: Traced | None = None) -> MemoryBreakdown | None:
-    """``est.memory`` for a refused step: its refusal's largest allocations by kind and line (None when
-    the refusal lists none)."""
-    if est.refusal is None or not est.refusal.allocations:
-        return None
-    return from_refusal(est.refusal, traced)
-
-
-def _of_smaller_batch(est: TpuEstimate, traced: Traced, batch: int, tgt: Target, name: str,
-                     compiler: Any = None) -> MemoryBreakdown | None:
-    """For a refused step whose refusal lists no allocations: the breakdown of the largest batch that fits
-    (``traced``, at ``batch`` rows), said so."""
-    smaller = estimate_with_breakdown(traced, tgt, name, compiler=compiler)
-    if smaller.memory is None or not smaller.fits:
-        return None
-    return replace(smaller.memory, source=f"compiler dump of batch {batch}, the largest that fits",
-                   note=f"the refusal of the step lists no allocations: this is batch {batch}'s peak "
-                        f"({gb(smaller.hbm_bytes)}), which fits; the refused batch needs {gb(est.hbm_bytes)}")
 
 
 def attention_like(buffer: Buffer) -> bool:

@@ -46,6 +46,7 @@ class Traced:
     train_mode: bool = False  # a model it uses is in training mode (model.train())
     inputs: tuple[tuple[str, str], ...] = ()  # (kind, name) of each parameter of the HLO module, in order
     results: tuple[tuple[str, str], ...] = ()  # (kind, name) of each output
+    first_step: bool = False  # an optimizer without state made it in this step (AdamW's first: not a later one's)
 
 
 def _owners(step: Callable, args: tuple, kwargs: dict) -> tuple[list, list, list]:
@@ -261,9 +262,10 @@ class _Saved:
 
 def retie(step: Callable, args: tuple, kwargs: dict, by: str) -> None:
     """Tie again the weights the step's models declare tied but lost on their way to the device
-    (a TpukitWarning names them): a tied parameter is then one argument of the graph, counted once."""
+    (a TpukitWarning, at the caller of ``by``, names them): a tied parameter is then one argument of the
+    graph, counted once. (Called by :func:`tpukit.tpu.ask.begin`, itself called by the public call.)"""
     for m in _owners(step, args, kwargs)[0]:
-        _xla.ties.retie(m, by, stacklevel=4)
+        _xla.ties.retie(m, by, stacklevel=5)
 
 
 def trace(step: Callable, args: tuple, kwargs: dict) -> Traced:
@@ -311,7 +313,9 @@ def trace(step: Callable, args: tuple, kwargs: dict) -> Traced:
         updated = {id(t) for t in tensors} - saved.pending
         trains = (any(id(p) in updated or (p.grad is not None and (p.grad is not g or id(p.grad) in updated))
                       for p, g in saved.grads) if saved.grads else None)
+        first = any(not state and o.state for o, state, _, _ in saved.opt_state)
         return Traced(hlo, aliases, parts, len(tensors), max(read.item_reads, read.to_host), trains,
-                      any(m.training for m in mods), tuple(by_handle.get(h, (INPUTS, "")) for h in params), results)
+                      any(m.training for m in mods), tuple(by_handle.get(h, (INPUTS, "")) for h in params), results,
+                      first)
     finally:
         saved.restore()

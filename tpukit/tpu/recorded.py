@@ -1,11 +1,11 @@
-"""Compile graphs the kit already has (HLO module protos) for the target, off the training thread.
+"""Compile graphs the kit recorded (HLO module protos) for the target, off the training thread.
 
-The compile pipeline calls :func:`compile_graph_async` for every graph it
-records, with the HLO module proto of the compile; the answer (a
-:class:`TpuEstimate`) arrives on a future, computed by the one worker process,
-so the training thread never waits for the TPU compiler. Neither function
-raises for what the compiler says: a refusal or a dead worker is a record with
-``fits=False`` and the reason in ``message``.
+The target's follower (:mod:`.follow`) calls :func:`compile_graph_async` for every
+graph it hears of, with the HLO module proto of the compile; the answer (a
+:class:`TpuEstimate`) arrives on a future, computed by the worker process, so the
+training thread never waits for the TPU compiler. Neither function raises for
+what the compiler says: a refusal is a record with its status, a dead worker one
+with status ``failed``, the reason in ``message``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
-from . import worker
-from .compilers import Compiler, compiler as _compiler
-from .estimate import _resolve
-from .record import TpuEstimate, from_reply, refused
-from .targets import Target, target as _target
+from .ask import ask, graph, resolve
+from .compiler import worker
+from .compiler.pins import Compiler
+from .compiler.targets import Target
+from .outcome import FAILED, TpuEstimate
 
 log = logging.getLogger("tpukit")
 _POOL: ThreadPoolExecutor | None = None
@@ -38,19 +38,16 @@ def compile_graph(hlo_module_proto: bytes, target: str | Target, num_partitions:
     ``aliased_bytes`` is what the module itself declares. ``compiler``: which TPU compiler answers (see
     :func:`tpukit.estimate`; default: the runtime's).
     """
-    tgt = _target(target)
-    comp = _compiler(compiler)
+    tgt, comp = resolve(target, compiler)
     worker.require(comp)
     try:
-        reply = worker.compile(worker.Request(bytes(hlo_module_proto), tgt, int(num_partitions), compiler=comp))
-        if "error" in reply and not reply.get("memory"):
-            return refused(tgt, f"the TPU compiler rejected graph {name!r}: {reply['error']}")
-        return from_reply(reply, tgt, name)
+        return ask(graph(hlo_module_proto, num_partitions), tgt, comp, name)
     except worker.TpuCompilerMissingError:
         raise
     except Exception as exc:  # a dead worker or a broken module: a record, never an exception in the caller
         log.warning("tpukit: TPU estimate of graph %r for %s failed: %s", name, tgt.name, exc)
-        return refused(tgt, f"{type(exc).__name__}: {exc}")
+        return TpuEstimate(tgt.name, FAILED, tgt.usable_hbm_bytes, message=f"{type(exc).__name__}: {exc}",
+                           compiler_name=comp.name)
 
 
 def compile_graph_async(hlo_module_proto: bytes, target: str | Target, num_partitions: int = 1,
@@ -62,6 +59,8 @@ def compile_graph_async(hlo_module_proto: bytes, target: str | Target, num_parti
     what the compiler said (only for an unknown target or a missing TPU compiler, as compile_graph does).
     """
     global _POOL
+    if not isinstance(target, Target) or not isinstance(compiler, Compiler):  # names fail here, not on the thread
+        target, compiler = resolve(target, compiler)
     with _POOL_LOCK:
         if _POOL is None:
             _POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpukit-tpu")
@@ -78,7 +77,7 @@ def bucket_costs(step_for_length: Callable[[int], object], lengths: Iterable[int
     compile time and each length's roofline floor, to pass as
     ``suggest_buckets(lengths, batch_size, **bucket_costs(...))``.
     """
-    tgt = _resolve(target)
+    tgt, _ = resolve(target)
     times, compiles = {}, []
     for n in sorted(set(int(x) for x in lengths)):
         est = step_for_length(n)

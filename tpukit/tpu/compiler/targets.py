@@ -9,9 +9,7 @@ topology (``topology``, ``chips_per_host``), compile-only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
-from ..errors import TpukitError
+from ...errors import TpukitError
 
 GiB = 1024**3
 
@@ -109,17 +107,3 @@ def target(name: str | Target) -> Target:
         raise TargetError(f"unknown TPU target {name!r}. Known targets: {', '.join(TARGETS)}.")
     return TARGETS[key]
 
-
-# The target the kit compiles for when none is named. tpukit.runtime owns it (setup(target=...), else
-# $TPUKIT_TARGET) and hands this table its accessor when it is imported: the table sits below the runtime.
-_DEFAULT: list[Callable[[], "Target | None"]] = []
-
-
-def read_default_from(accessor: Callable[[], "Target | None"]) -> None:
-    """Where :func:`default_target` reads the target (``tpukit.runtime.tpu_target``, set once at import)."""
-    _DEFAULT[:] = [accessor]
-
-
-def default_target() -> Target | None:
-    """The runtime's target (``tpukit.setup(target=...)``, else ``$TPUKIT_TARGET``), or None."""
-    return _DEFAULT[0]() if _DEFAULT else None

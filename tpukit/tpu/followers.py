@@ -1,12 +1,15 @@
 """Every graph the kit records, compiled for the target TPU in the background.
 
 ``tpukit.setup(target="v5e-1")`` (or ``TPUKIT_TARGET``) registers one :class:`Follower`
-with ``tpukit.events``. Each finished compile the compile reader publishes carries its
-graph's ``HloModuleProto``; the follower hands it to the TPU compiler's worker process
-(:func:`~tpukit.tpu.graphs.compile_graph_async`: never on the training thread), keeps
-the answer by graph, and publishes it once as ``on_tpu_estimate(event, estimate)`` to
-whoever listens (the dashboard, ``%%xla``, a tracked loop's summary). The same graph
-(same torch_xla graph hash) is compiled once per target.
+with ``tpukit.events`` (the runtime tells this module when its target changes:
+:func:`tpukit.runtime.watch_target`). Each finished compile the compile reader publishes
+carries its graph's ``HloModuleProto``; the follower hands it to the TPU compiler's
+worker process (:func:`~tpukit.tpu.recorded.compile_graph_async`: never on the training
+thread), publishes ``on_tpu_pending(event)`` when it sends a graph and
+``on_tpu_estimate(event, estimate)`` when the answer comes, to whoever listens (the
+dashboard, ``%%xla``, a tracked loop's summary), by one key per graph
+(:attr:`tpukit.compiles.CompileEvent.graph_key`). The same graph is compiled once
+per target. While a follower is registered the graphs keep their HLO.
 """
 
 from __future__ import annotations
@@ -15,28 +18,13 @@ import threading
 import time
 from typing import Any
 
-from .. import events
-from .compilers import Compiler, compiler as _compiler
-from .graphs import compile_graph_async
-from .record import TpuEstimate, gb
-from .targets import Target, target as _target
-from .worker import require
-
-
-def line(est: TpuEstimate) -> str:
-    """One line: ``v5e-1: fits, 0.27 GB of 16.91 GB HBM per chip (compiler peak), TPU compile 2.9 s, step >=
-    0.8 ms (compute-bound) [libtpu 0.0.17, torch_xla 2.8's compiler]``, or the refusal (``does NOT fit (too
-    big)``, ``does NOT fit (does not compile)``) with its largest buffer; the compiler that answered last."""
-    by = f" [{est.answered_by}]" if est.answered_by else ""
-    if not est.fits:
-        reason = (est.message or "does not fit").splitlines()[0][:160]
-        buffers = est.refusal.lines(gb) if est.refusal else []
-        why = f"; largest buffer {buffers[0]}" if buffers else ""
-        need = f"{gb(est.hbm_bytes)} of " if est.hbm_bytes else ""
-        return (f"{est.target}: does NOT fit ({est.status}, {need}{gb(est.hbm_limit_bytes)} HBM per chip): "
-                f"{reason}{why}{by}")
-    return (f"{est.target}: fits, {gb(est.hbm_bytes)} of {gb(est.hbm_limit_bytes)} HBM per chip ({est.hbm_source}), "
-            f"TPU compile {est.compile_s:.1f} s, step >= {est.step_s_min * 1e3:.3g} ms ({est.bound}-bound){by}")
+from .. import compiles, events, runtime
+from .ask import resolve
+from .compiler.pins import Compiler
+from .compiler.targets import Target
+from .compiler.worker import require
+from .outcome import TpuEstimate
+from .recorded import compile_graph_async
 
 
 class Follower:
@@ -44,8 +32,7 @@ class Follower:
     default: the runtime's, resolved once here)."""
 
     def __init__(self, target: str | Target, compiler: str | Compiler | None = None):
-        self.target = _target(target)
-        self.compiler = _compiler(compiler)
+        self.target, self.compiler = resolve(target, compiler)
         self._lock = threading.Lock()
         self._by_graph: dict[str, TpuEstimate] = {}
         self._of_event: dict[int, TpuEstimate] = {}
@@ -56,7 +43,7 @@ class Follower:
         graph = getattr(event, "graph", None)
         if not event.settled or graph is None or graph.proto is None:
             return
-        key = event.graph_hash or graph.structure
+        key = event.graph_key
         with self._lock:
             known = self._by_graph.get(key)
             if known is None:
@@ -67,6 +54,7 @@ class Follower:
         if known is not None:
             self._publish(event, known)
             return
+        events.call("on_tpu_pending", event)
         future = compile_graph_async(graph.proto, self.target, graph.partitions, name=event.name,
                                      compiler=self.compiler)
         future.add_done_callback(lambda f, key=key: self._done(key, f))
@@ -101,7 +89,7 @@ class Follower:
         for ev in events_:
             graph = getattr(ev, "graph", None)
             if graph is not None and graph.proto is not None:
-                sent.setdefault(ev.graph_hash or graph.structure, ev)
+                sent.setdefault(ev.graph_key, ev)
         deadline = time.monotonic() + timeout
         with self._lock:
             while any(k in self._waiting for k in sent) and time.monotonic() < deadline:
@@ -116,19 +104,12 @@ class Follower:
 
 _FOLLOWER: list[Follower] = []
 _LOCK = threading.Lock()
-_WATCHERS: list[Any] = []  # called with whether a follower is registered, after each change
-
-
-def watch_follower(fn: Any) -> None:
-    """Call ``fn(on)`` after each :func:`follow` and :func:`unfollow`, ``on`` whether a follower is
-    registered: the runtime keeps the graphs' HLO while one is (this package does not read the graphs)."""
-    _WATCHERS.append(fn)
 
 
 def _changed() -> None:
-    on = bool(_FOLLOWER)
-    for fn in list(_WATCHERS):
-        fn(on)
+    """The graphs keep their HLO while a follower is registered (it compiles them); with none, no longer:
+    nothing would compile them, and a dashboard would wait for their answers."""
+    compiles.keep_hlo("tpu follower", bool(_FOLLOWER))
 
 
 def follow(target: str | Target | Follower, compiler: str | Compiler | None = None) -> Follower:
@@ -136,8 +117,7 @@ def follow(target: str | Target | Follower, compiler: str | Compiler | None = No
     returns the (one) follower. A :class:`Follower` given back (one :func:`unfollow` stopped) resumes with the
     answers it has."""
     given = target if isinstance(target, Follower) else None
-    tgt = given.target if given is not None else _target(target)
-    comp = given.compiler if given is not None else _compiler(compiler)
+    tgt, comp = (given.target, given.compiler) if given is not None else resolve(target, compiler)
     require(comp)  # a clear error with the install line when the TPU compiler is missing
     with _LOCK:
         if _FOLLOWER and (_FOLLOWER[0] is given or (given is None and _FOLLOWER[0].target.name == tgt.name
@@ -165,3 +145,12 @@ def unfollow(which: Follower | None = None) -> None:
                 events.remove_listener(old)
                 _FOLLOWER.remove(old)
     _changed()
+
+
+def _retarget(tgt: Target, compiler: str | None) -> None:
+    """What ``tpukit.setup(target=..., compiler=...)`` set: follow that target with that compiler (None: the
+    runtime's own)."""
+    follow(tgt, compiler)
+
+
+runtime.watch_target(_retarget)

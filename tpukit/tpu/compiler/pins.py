@@ -16,29 +16,28 @@ libtpu 0.0.21.1 and jax 0.7.2, Kaggle's TPU image torch_xla 2.8 with libtpu
 ``tpu/requirements.in``). All of these pairs install from the package index and
 compile compile-only on a CPU.
 
-:func:`compiler` turns a name into the :class:`Compiler` that answers:
-``None`` (the default: the runtime's, :func:`read_default_from`: ``tpukit.setup(compiler=...)``'s,
-else ``$TPUKIT_COMPILER``; else the installed torch_xla's release), ``"torch_xla 2.8"``, ``"libtpu 0.0.17"``,
+:func:`resolve` turns a name into the :class:`Compiler` that answers:
+``None`` (the installed torch_xla's release's; ``tpukit.setup(compiler=...)`` and ``$TPUKIT_COMPILER`` are
+read before, at the edge: :func:`tpukit.tpu.ask.resolve`), ``"torch_xla 2.8"``, ``"libtpu 0.0.17"``,
 ``"newest"`` (the newest ``jax[tpu]`` on the package index) or ``"installed"`` (the
 jax and libtpu installed where tpukit runs). Each pair runs in its own environment
-(:mod:`.envs`) unless it is the one installed here.
+(:mod:`.venvs`) unless it is the one installed here.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
 
-from .._xla import versions as _torch_xla
-from ..errors import TpukitError
-from . import envs
-from ._versions import versions as _installed
+from ..._xla import versions as _torch_xla
+from ...errors import TpukitError
+from . import venvs
+from .installed import versions as _installed
 
 
 @dataclass(frozen=True)
-class Runtime:
-    """The TPU compiler a torch_xla release's runtime runs: its libtpu, and the jax release that drives it."""
+class Pin:
+    """The TPU compiler a torch_xla release's runtime runs (its pin): its libtpu, and the jax release that drives it."""
 
     torch_xla: tuple[int, int]
     libtpu: str
@@ -52,15 +51,15 @@ class Runtime:
 
 
 _SETUP = "pytorch/xla setup.py of the release (_libtpu_version, the tpu extra)"
-RUNTIMES: dict[tuple[int, int], Runtime] = {r.torch_xla: r for r in (
-    Runtime((2, 6), "0.0.7.1", "0.4.38", _SETUP),
-    Runtime((2, 7), "0.0.11.1", "0.5.3", _SETUP),
-    Runtime((2, 8), "0.0.17", "0.7.2", _SETUP + "; Kaggle's TPU image (Kaggle/docker-python tpu/Dockerfile)"),
-    Runtime((2, 9), "0.0.21.1", "0.7.2", _SETUP + " (0.0.21); Colab's TPU runtime ships 0.0.21.1 with jax 0.7.2"),
+RUNTIMES: dict[tuple[int, int], Pin] = {r.torch_xla: r for r in (
+    Pin((2, 6), "0.0.7.1", "0.4.38", _SETUP),
+    Pin((2, 7), "0.0.11.1", "0.5.3", _SETUP),
+    Pin((2, 8), "0.0.17", "0.7.2", _SETUP + "; Kaggle's TPU image (Kaggle/docker-python tpu/Dockerfile)"),
+    Pin((2, 9), "0.0.21.1", "0.7.2", _SETUP + " (0.0.21); Colab's TPU runtime ships 0.0.21.1 with jax 0.7.2"),
 )}
 
 
-def runtime(release: tuple[int, int] | None = None) -> Runtime | None:
+def pin(release: tuple[int, int] | None = None) -> Pin | None:
     """The compiler torch_xla ``release`` runs (default: the installed torch_xla's); None for a release the
     table does not know, or when torch_xla is not installed."""
     release = release or _torch_xla.installed()
@@ -84,7 +83,7 @@ def mismatch(found: dict[str, str], release: tuple[int, int] | None = None) -> s
 
     A libtpu that differs only in its fourth number (Colab's 0.0.21.1 for torch_xla 2.9's 0.0.21) is the
     same compiler."""
-    rt = runtime(release)
+    rt = pin(release)
     libtpu = found.get("libtpu", "")
     if rt is None or not libtpu or _release(libtpu)[:3] == _release(rt.libtpu)[:3]:
         return None
@@ -131,17 +130,8 @@ def role(name: str) -> str:
     return f"the {name} compiler" if name in (NEWEST, INSTALLED) else ""
 
 
-_DEFAULT: list[Callable[[], str | None]] = []
-
-
-def read_default_from(accessor: Callable[[], "str | None"]) -> None:
-    """Where :func:`compiler` reads the name asked for when none is given (``tpukit.runtime.tpu_compiler``,
-    set once at import: ``tpukit.setup(compiler=...)``, else ``$TPUKIT_COMPILER``)."""
-    _DEFAULT[:] = [accessor]
-
-
 def known() -> str:
-    """The names :func:`compiler` knows, as one sentence (for errors and docs)."""
+    """The names :func:`resolve` knows, as one sentence (for errors and docs)."""
     releases = ", ".join(f"'{r.name}'" for r in RUNTIMES.values())
     pinned = ", ".join(r.libtpu for r in RUNTIMES.values())
     return (f"{releases} (the libtpu and jax its runtime loads), 'libtpu <version>' of one of them ({pinned}; "
@@ -150,7 +140,7 @@ def known() -> str:
 
 
 def _newest() -> Compiler:
-    found = envs.newest()
+    found = venvs.newest()
     return Compiler(NEWEST, found["libtpu"], found["jax"], found["jaxlib"],
                     'what pip install "jax[tpu]" installs today (the package index)')
 
@@ -166,7 +156,7 @@ def _here() -> Compiler:
 def default() -> Compiler:
     """The compiler when none is named: the installed torch_xla's release's (:data:`RUNTIMES`), else the jax and
     libtpu installed here, else the newest."""
-    rt = runtime()
+    rt = pin()
     if rt is not None:
         return Compiler(rt.name, rt.libtpu, rt.jax, source=rt.source)
     found = _installed()
@@ -186,15 +176,14 @@ def _by_libtpu(version: str, jax: str | None, name: str) -> Compiler:
                         f"Name it as 'libtpu {version} jax <version>', or use one of {known()}.")
 
 
-def compiler(name: "str | Compiler | None" = None) -> Compiler:
-    """The :class:`Compiler` a name asks for (see the module doc); an unknown name raises
-    :class:`CompilerError` listing the known ones. ``"newest"`` asks the package index (once a day)."""
+def resolve(name: "str | Compiler | None" = None) -> Compiler:
+    """The :class:`Compiler` a name asks for (see the module doc; None: :func:`default`, the runtime's own); an
+    unknown name raises :class:`CompilerError` listing the known ones. ``"newest"`` asks the package index (once
+    a day). What ``tpukit.setup(compiler=...)`` named is read at the edge (:func:`tpukit.tpu.ask.resolve`)."""
     if isinstance(name, Compiler):
         return name
     if name is None:
-        name = _DEFAULT[0]() if _DEFAULT else None
-        if name is None:
-            return default()
+        return default()
     if not isinstance(name, str):
         raise CompilerError(f"compiler={name!r} is not a name: use one of {known()}.")
     text = " ".join(name.strip().lower().replace("==", " ").replace("=", " ").split())

@@ -22,7 +22,7 @@ import os
 import re
 from typing import Any, Sequence
 
-from ._versions import versions
+from .installed import versions
 
 # libtpu otherwise asks a cloud metadata server for minutes, and a stale /tmp/libtpu_lockfile (left by
 # any earlier libtpu process) fails the next start. Both must be set before libtpu loads.

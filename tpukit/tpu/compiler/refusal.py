@@ -18,7 +18,7 @@ metadata carries one, the source file and line of the operation::
 Older phrasings name a single allocation instead ("Allocation (size=N) would
 exceed memory (size=M) :: ... [shape = 'f32[...]', ... tag = 'output of X']").
 :func:`parse` reads both into a :class:`Refusal`: plain data, kept on the
-:class:`~tpukit.tpu.record.TpuEstimate` of a refused step and shown in its text.
+:class:`~tpukit.tpu.outcome.TpuEstimate` of a refused step and shown in its text.
 Sizes in the compiler's text are binary (``G`` is GiB).
 """
 
@@ -28,10 +28,38 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-from .. import _ipython
-from ._serve import _bytes, memory_figures
+from ... import _ipython
+from ..._hlo_text import strip_layout
 
 _SIZE = r"([\d.]+)\s*([KMGT]?)i?B?"
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+# The older refusal of one allocation: "Allocation (size=N) would exceed memory (size=M)", M the whole HBM.
+_WHOLE_SPACE = "would exceed memory"
+
+
+def _bytes(number: str, unit: str = "") -> int:
+    return int(float(number) * _UNITS[(unit or "").upper()[:1]])
+
+
+def memory_figures(message: str) -> tuple[int | None, int | None]:
+    """(bytes required, bytes available) from a TPU compiler out-of-memory message, when it says them."""
+    patterns = [  # the phrasings libtpu 0.0.42 and 0.0.21 use
+        (rf"required for [^(]*\({_SIZE}\) exceeds available HBM \({_SIZE}\)", 0, 2),
+        (rf"Used {_SIZE} of {_SIZE} hbm", 0, 2),
+        (r"Allocation \(size=(\d+)\)() would exceed memory \(size=(\d+)\)()", 0, 2),
+    ]
+    for pattern, need_at, have_at in patterns:
+        m = re.search(pattern, message)
+        if m:
+            g = m.groups()
+            return _bytes(g[need_at], g[need_at + 1]), _bytes(g[have_at], g[have_at + 1])
+    return None, None
+
+
+def is_memory_refusal(message: str | None) -> bool:
+    """True when the compiler refused for lack of HBM (not for another reason)."""
+    message = message or ""
+    return "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message or "exceed memory" in message
 
 
 @dataclass(frozen=True)
@@ -53,7 +81,7 @@ class Refusal:
     """The compiler's account of a step that does not fit: the totals it gives and its largest allocations."""
 
     used_bytes: int | None  # what the program needs ("Used 27.00G of 15.75G hbm")
-    limit_bytes: int | None  # the HBM the compiler can use on the chip
+    limit_bytes: int | None  # the HBM the compiler names: what a program can use, or (``whole_space``) the chip's
     reserved_bytes: int | None = None  # kept by the runtime beside the program
     program_bytes: int | None = None
     arguments_bytes: int | None = None
@@ -62,6 +90,12 @@ class Refusal:
     outputs_shared_bytes: int | None = None  # the part of the outputs that reuses the arguments' buffers
     exceeded_bytes: int | None = None  # "Exceeded hbm capacity by 14.25G"
     program_parts: tuple[tuple[str, int], ...] = ()  # "Program hbm requirement": ("HLO temp", bytes), ...
+    whole_space: bool = False  # the older phrasing: limit_bytes is the memory space's whole size (a v5e's 16 GiB)
+
+    @property
+    def usable_bytes(self) -> int | None:
+        """The HBM a program may use, as the compiler says it (None when its phrasing names the whole space)."""
+        return None if self.whole_space else self.limit_bytes
 
     def largest(self, share: float = 0.9, most: int = 5) -> tuple[Allocation, ...]:
         """The largest allocations, until they cover ``share`` of the listed bytes (at most ``most``)."""
@@ -95,11 +129,6 @@ def short(source: str) -> str:
     if "site-packages/" in path:
         return path.split("site-packages/", 1)[1] + ":" + line
     return source
-
-
-def _strip_layout(shape: str) -> str:
-    """``f32[524288,8192]{1,0:T(8,128)}`` -> ``f32[524288,8192]``; tuples keep their elements' shapes."""
-    return re.sub(r"\{[^{}]*\}", "", re.sub(r"\{[^{}]*\{[^{}]*\}[^{}]*\}", "", shape)).strip()
 
 
 def _total(text: str, name: str) -> int | None:
@@ -144,7 +173,7 @@ def _listed(text: str) -> tuple[Allocation, ...]:
                 source = f"{f.group(1)}:{line.group(1)}"
             name = re.search(r'op_name="([^"]*)"', operator.group(1))
             op_name = name.group(1) if name and name.group(1) else None
-        out.append(Allocation(_bytes(size.group(1), size.group(2)), _strip_layout(shape.group(1)),
+        out.append(Allocation(_bytes(size.group(1), size.group(2)), strip_layout(shape.group(1)),
                               label.group(1) if label else "?", kind.group(1) if kind else "?", source, op_name,
                               _bytes(unpadded.group(1), unpadded.group(2)) if unpadded else None,
                               int(param.group(1)) if param else None))
@@ -158,15 +187,15 @@ def _single(message: str) -> tuple[Allocation, ...]:
         return ()
     shape = re.search(r"shape = '([^']+)'", message)
     tag = re.search(r"tag = '(?:output of )?([^'@]+)", message)
-    return (Allocation(int(single.group(1)), _strip_layout(shape.group(1)) if shape else "?",
+    return (Allocation(int(single.group(1)), strip_layout(shape.group(1)) if shape else "?",
                        tag.group(1) if tag else "?", "HLO temp"),)
 
 
 def parse(message: str | None) -> Refusal | None:
     """The compiler's account of an out-of-memory refusal, or None when ``message`` is not one it can read.
 
-    What it needs and has come from :func:`~tpukit.tpu._serve.memory_figures` (the worker's reading of the
-    same text, every phrasing it knows); the totals and allocations from the rest of the message."""
+    What it needs and has come from :func:`memory_figures` (every phrasing it knows); the totals and
+    allocations from the rest of the message. The one reading of a refusal: the worker sends its text."""
     if not message:
         return None
     need, have = memory_figures(message)
@@ -178,4 +207,5 @@ def parse(message: str | None) -> Refusal | None:
                    _total(message, "arguments"), _listed(message) or _single(message),
                    _bytes(out.group(1), out.group(2)) if out else None,
                    _bytes(out.group(3), out.group(4)) if out else None,
-                   _bytes(over.group(1), over.group(2)) if over else None, _parts(message))
+                   _bytes(over.group(1), over.group(2)) if over else None, _parts(message),
+                   _WHOLE_SPACE in message)

@@ -34,8 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import TpukitError
-from ._versions import versions as installed_versions
+from ...errors import TpukitError
+from .installed import versions as installed_versions
 
 try:
     import fcntl

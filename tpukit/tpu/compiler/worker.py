@@ -1,16 +1,16 @@
-"""The parent's side of the TPU compiler's worker processes, and the cache of their answers.
+"""The parent's side of the TPU compiler's worker processes: one request in, the compiler's reply out.
 
 libtpu never loads into the process that runs torch_xla: one worker process
-per compiler (:class:`~.compilers.Compiler`: a jax/libtpu pair) holds jax's
-compile-only TPU client and answers one request at a time
-(:mod:`tpukit.tpu._serve`). It runs the Python of that compiler's environment
-(:mod:`.envs`: this one's when the pair is installed here, else its own, built
-on first use). It starts on first use, is restarted if it dies, and stops when
-this process exits. Answers are cached by sha256(HLO bytes) + target + compile
-settings + the answering compiler's jax/jaxlib/libtpu versions, in memory and on
-disk under ``~/.cache/tpukit/tpu`` (``TPUKIT_TPU_CACHE`` overrides), so the same
-graph is compiled for a target once per compiler and answers of two compilers
-never mix.
+per compiler (:class:`~.pins.Compiler`: a jax/libtpu pair) holds jax's
+compile-only TPU client and answers one request at a time (:mod:`.serve`). It
+runs the Python of that compiler's environment (:mod:`.venvs`: this one's when
+the pair is installed here, else its own, built on first use). It starts on
+first use, is restarted if it dies, and stops when this process exits. A request
+interrupted while the worker compiles it (Jupyter's stop button) stops that
+worker: its reply would otherwise answer the next request. Every function here
+takes a resolved :class:`~.targets.Target` and :class:`~.pins.Compiler` (the
+edge, :mod:`tpukit.tpu.ask`, resolves names once). Answers are kept by
+:mod:`.cache`.
 
 The worker's stderr (libtpu's warnings) goes to ``worker.log`` there. libtpu's
 own log files, a new one in ``/tmp/tpu_logs`` for every start, are off
@@ -23,6 +23,7 @@ import atexit
 import hashlib
 import importlib.metadata
 import importlib.util
+import itertools
 import json
 import logging
 import os
@@ -33,25 +34,27 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import TpukitError
-from . import envs
-from ._versions import versions
-from .compilers import Compiler, compiler as _compiler
+from ...errors import TpukitError
+from . import cache, venvs
+from .cache import cache_dir
 from .flags import compile_flags
+from .pins import Compiler
+from .refusal import is_memory_refusal
 from .targets import Target
+from .installed import versions
 
 log = logging.getLogger("tpukit")
 
 INSTALL = 'pip install "tpukit[tpu-estimate]"  (or: pip install "jax[tpu]")'
-_BOOT = (  # a bare tpukit.tpu package: the worker runs _serve and _jax, not tpukit's __init__
+_BOOT = (  # bare packages: the worker runs serve and _jax, no __init__ of tpukit's
     "import sys, types\n"
-    "for name, path in (('tpukit', {root!r}), ('tpukit.tpu', {here!r})):\n"
+    "for name, path in (('tpukit', {root!r}), ('tpukit.tpu', {tpu!r}), ('tpukit.tpu.compiler', {here!r})):\n"
     "    m = types.ModuleType(name); m.__path__ = [path]; sys.modules[name] = m\n"
-    "from tpukit.tpu import _serve\n"
-    "_serve.main()\n"
+    "from tpukit.tpu.compiler import serve\n"
+    "serve.main()\n"
 )
 
 
@@ -95,12 +98,12 @@ def available() -> bool:
     return bool(v["jaxlib"] and v["libtpu"]) and importlib.util.find_spec("jax") is not None
 
 
-def require(compiler: "str | Compiler | None" = None) -> dict[str, str]:
-    """The versions of the compiler that will answer (default: the runtime's, :func:`~.compilers.compiler`).
-    One installed here must be complete, else :class:`TpuCompilerMissingError` with the install line; any
-    other pair gets its own environment on first use (:mod:`.envs`)."""
-    found = _compiler(compiler).versions()
-    if not envs.is_installed(found):
+def require(compiler: Compiler) -> dict[str, str]:
+    """The versions of the compiler that will answer. One installed here must be complete, else
+    :class:`TpuCompilerMissingError` with the install line; any other pair gets its own environment on first
+    use (:mod:`.venvs`)."""
+    found = compiler.versions()
+    if not venvs.is_installed(found):
         return found
     if not available():
         v = versions()
@@ -112,7 +115,8 @@ def require(compiler: "str | Compiler | None" = None) -> dict[str, str]:
 
 
 # What a reply holds: 2 added the compiler's peak (``peak_bytes``). Part of the cache key, so answers kept
-# before a change are compiled again rather than read without the new figures.
+# before a change are compiled again rather than read without the new figures. (3 dropped the worker's reading
+# of a refusal's figures: the kernel's side reads its text, and replies of 2 carry that text too.)
 _REPLY_FORMAT = 2
 # The folder of a Jupyter kernel's cells' files (ipykernel: <tmp>/ipykernel_<pid>/<hash of the cell>.py).
 _KERNEL_FOLDER = re.compile(rb"ipykernel_[0-9]+")
@@ -127,7 +131,7 @@ class Request:
     num_partitions: int = 1
     aliases: tuple[tuple[int, int], ...] = ()
     shard_over: int = 1  # impose an FSDP layout over this many chips (1: the module's own shardings)
-    compiler: Compiler | None = None  # the compiler to answer (None: the default, resolved by compile())
+    compiler: Compiler | None = None  # the compiler to answer (resolved by the caller; None: the one installed here)
 
     def versions(self) -> dict[str, str]:
         """The jax, jaxlib and libtpu that answer: the compiler's (without one, those installed here)."""
@@ -168,17 +172,18 @@ class _Process:
         self.libtpu_args: str | None = None  # the LIBTPU_INIT_ARGS the running worker's libtpu read
         self.found = found  # the compiler's versions (None: those installed here)
         self.label = label  # its name, for the progress lines of a first build
+        self.ids = itertools.count(1)  # each request's id, which its reply carries back
 
     @property
     def log_path(self) -> Path:
         """The worker's stderr: ``worker.log``, ``worker-<libtpu>-<jax>.log`` for a compiler of its own env."""
-        own = self.found is not None and not envs.is_installed(self.found)
-        return cache_dir() / (f"worker-{envs.key(self.found)}.log" if own else "worker.log")
+        own = self.found is not None and not venvs.is_installed(self.found)
+        return cache_dir() / (f"worker-{venvs.key(self.found)}.log" if own else "worker.log")
 
     def _start(self) -> subprocess.Popen:
-        python = envs.python(self.found, self.label) if self.found is not None else sys.executable
-        here = str(Path(__file__).resolve().parent)
-        root = str(Path(here).parent)
+        python = venvs.python(self.found, self.label) if self.found is not None else sys.executable
+        here = Path(__file__).resolve().parent
+        tpu, root = str(here.parent), str(here.parent.parent)
         env = dict(os.environ, TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1", JAX_PLATFORMS="cpu")
         env.pop("PJRT_DEVICE", None)
         if python != sys.executable:  # torch_xla points these at the libtpu installed here: jax would load it
@@ -190,7 +195,7 @@ class _Process:
         logdir = cache_dir()
         logdir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as err:
-            return subprocess.Popen([python, "-c", _BOOT.format(root=root, here=here)],
+            return subprocess.Popen([python, "-c", _BOOT.format(root=root, tpu=tpu, here=str(here))],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
 
     def ensure(self) -> None:
@@ -205,23 +210,47 @@ class _Process:
             self.proc = self._start()
 
     def call(self, message: dict) -> dict:
+        """Send ``message``, wait for its reply. Interrupted while waiting (a KeyboardInterrupt), the worker is
+        stopped: it would go on compiling for nobody, and its reply would answer the next request."""
         with self.lock:
             for attempt in (1, 2):
                 self._ensure_locked()
+                sent = next(self.ids)
                 try:
-                    data = pickle.dumps(message, protocol=4)
-                    self.proc.stdin.write(struct.pack(">I", len(data)) + data)
-                    self.proc.stdin.flush()
-                    head = self.proc.stdout.read(4)
-                    if len(head) == 4:
-                        return pickle.loads(self.proc.stdout.read(struct.unpack(">I", head)[0]))
+                    reply = self._exchange(dict(message, id=sent), sent)
+                    if reply is not None:
+                        return reply
                 except (BrokenPipeError, OSError):
                     pass
+                except BaseException:
+                    self._kill_locked()
+                    raise
                 code = self.proc.wait()
                 self.proc = None
                 log.warning("tpukit: the TPU compiler's worker exited (code %s), attempt %d", code, attempt)
             raise WorkerError(f"the TPU compiler's worker process died twice (exit code {code}); "
                               f"its log is {self.log_path}.")
+
+    def _exchange(self, message: dict, sent: int) -> dict | None:
+        """Write one request, read replies until its own (an older one's, of a request given up on, is
+        dropped); None when the worker closed its end."""
+        data = pickle.dumps(message, protocol=4)
+        self.proc.stdin.write(struct.pack(">I", len(data)) + data)
+        self.proc.stdin.flush()
+        while True:
+            head = self.proc.stdout.read(4)
+            if len(head) < 4:
+                return None
+            reply = pickle.loads(self.proc.stdout.read(struct.unpack(">I", head)[0]))
+            if reply.pop("id", sent) == sent:
+                return reply
+            log.warning("tpukit: dropped a TPU compiler reply of an earlier request")
+
+    def _kill_locked(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
 
     def stop(self) -> None:
         with self.lock:
@@ -244,14 +273,13 @@ _PROCESSES: dict[tuple, _Process] = {}  # one per compiler, by its versions
 _PROCESSES_LOCK = threading.Lock()
 
 
-def _process(compiler: "str | Compiler | None" = None) -> _Process:
-    """The worker of ``compiler`` (default: the runtime's), made on first use."""
-    comp = _compiler(compiler)
-    found = comp.versions()
+def _process(compiler: Compiler) -> _Process:
+    """The worker of ``compiler``, made on first use."""
+    found = compiler.versions()
     key = tuple(sorted(found.items()))
     with _PROCESSES_LOCK:
         if key not in _PROCESSES:
-            _PROCESSES[key] = _Process(found, comp.name)
+            _PROCESSES[key] = _Process(found, compiler.name)
         return _PROCESSES[key]
 
 
@@ -263,37 +291,21 @@ def _stop_all() -> None:
         proc.stop()
 
 
-_MEMORY: dict[str, dict] = {}
-_STATS = {"hits": 0, "misses": 0}
-_STATS_LOCK = threading.Lock()
 _INFLIGHT: dict[str, Future] = {}  # key -> the answer of the compile under way for it
 _INFLIGHT_LOCK = threading.Lock()
 
 
-def cache_dir() -> Path:
-    """Where answers are kept on disk: ``TPUKIT_TPU_CACHE`` or ``~/.cache/tpukit/tpu``."""
-    return Path(os.environ.get("TPUKIT_TPU_CACHE") or Path.home() / ".cache" / "tpukit" / "tpu")
-
-
-def cache_info() -> dict[str, int]:
-    """Answers served from the cache or shared with a compile under way (``hits``) and compiled by the
-    worker (``misses``) in this process."""
-    with _STATS_LOCK:
-        return dict(_STATS)
-
-
-def worker_pid(compiler: "str | Compiler | None" = None) -> int | None:
-    """The id of ``compiler``'s worker process (default: the runtime's) while it runs (None before its first
-    compile or after it stopped)."""
+def worker_pid(compiler: Compiler) -> int | None:
+    """The id of ``compiler``'s worker process while it runs (None before its first compile or after it
+    stopped)."""
     return _process(compiler).pid()
 
 
-def warm(compiler: "str | Compiler | None" = None) -> None:
+def warm(compiler: Compiler) -> None:
     """Start ``compiler``'s worker now, so it loads jax and libtpu while the caller traces (no-op when it runs,
     or when its jax and libtpu are only partly installed here). Builds its environment first if it has none."""
-    comp = _compiler(compiler)
-    if not envs.is_installed(comp.versions()) or available():
-        _process(comp).ensure()
+    if not venvs.is_installed(compiler.versions()) or available():
+        _process(compiler).ensure()
 
 
 def stop() -> None:
@@ -310,23 +322,20 @@ def compile(request: Request) -> dict:
     :class:`WorkerError` if the worker cannot run. The answer names its compiler (``compiler``: the versions
     that answered, ``compiler_name``: the name it was asked by).
     """
-    request = replace(request, compiler=_compiler(request.compiler))
     require(request.compiler)
     key = request.key()
-    path = cache_dir() / key[:2] / f"{key}.json"
     with _INFLIGHT_LOCK:  # the cache is read under the lock the compiling request removes its entry with
-        reply = _cached(key, path)
+        reply = cache.get(key)
         shared = _INFLIGHT.get(key) if reply is None else None
         mine = reply is None and shared is None
         if mine:
             shared = _INFLIGHT[key] = Future()
     if not mine:
         reply = reply if reply is not None else shared.result()  # another request's compile of this key
-        with _STATS_LOCK:
-            _STATS["hits"] += 1
+        cache.count(hit=True)
         return _named(reply, request.compiler)
     try:
-        reply = _compile(request, key, path)
+        reply = _compile(request, key)
     except BaseException as exc:
         shared.set_exception(exc if isinstance(exc, Exception) else WorkerError(
             f"the compile this request waited for was interrupted ({type(exc).__name__})"))
@@ -340,10 +349,9 @@ def compile(request: Request) -> dict:
 
 
 def compile_dump(request: Request, folder: str | Path) -> dict:
-    """Compile ``request`` with the compiler's dump written into ``folder`` (:func:`.dump.files` lists what
-    it wrote); the worker's answer, naming its compiler. Not cached: :func:`compile` keeps figures, not
-    dumps (the breakdowns read from dumps are kept by :func:`.memory.estimate_with_breakdown`)."""
-    request = replace(request, compiler=_compiler(request.compiler))
+    """Compile ``request`` with the compiler's dump written into ``folder`` (:func:`tpukit.tpu.dump.files`
+    lists what it wrote); the worker's answer, naming its compiler. Not kept here: the breakdown read from
+    the dump is (:func:`.cache.put_dump`, by :mod:`tpukit.tpu.ask`)."""
     require(request.compiler)
     reply = _process(request.compiler).call(dict(request.message(), dump_to=str(folder)))
     if "fatal" in reply:
@@ -358,38 +366,22 @@ def _named(reply: dict, compiler: Compiler) -> dict:
     return dict(reply, compiler=reply.get("compiler") or compiler.versions(), compiler_name=compiler.name)
 
 
-def _cached(key: str, path: Path) -> dict | None:
-    """The answer for ``key`` from memory or disk, or None."""
-    reply = _MEMORY.get(key)
-    if reply is None and path.exists():
-        try:
-            reply = _MEMORY[key] = json.loads(path.read_text())
-        except (OSError, ValueError):
-            reply = None
-    return reply
-
-
-def _compile(request: Request, key: str, path: Path) -> dict:
+def _compile(request: Request, key: str) -> dict:
     """Have the worker compile ``request`` and keep its answer (a refusal for memory too)."""
     reply = _process(request.compiler).call(request.message())
     if "fatal" in reply:
         if reply.get("missing"):
             raise TpuCompilerMissingError(f"{reply['fatal']}")
         raise WorkerError(f"the TPU compiler's worker failed: {reply['fatal']}")
-    with _STATS_LOCK:
-        _STATS["misses"] += 1
-    if "error" in reply and not reply.get("memory"):
+    cache.count(hit=False)
+    if "error" in reply and not is_memory_refusal(reply["error"]):
         return reply  # another refusal may be a passing fault of this install: asked again next time
-    _MEMORY[key] = reply
-    try:
-        envs.write_json(path, reply)
-    except OSError as exc:
-        log.warning("tpukit: could not write the TPU estimate cache %s: %s", path, exc)
+    cache.put(key, reply)
     return reply
 
 
-def check(compiler: "str | Compiler | None" = None) -> dict[str, str]:
-    """Start ``compiler``'s worker (default: the runtime's), load jax, libtpu and a v5e topology there; the
+def check(compiler: Compiler) -> dict[str, str]:
+    """Start ``compiler``'s worker, load jax, libtpu and a v5e topology there; the
     versions it runs and its malloc (``allocator``: the preloaded library's file name, or ``glibc``), as
     ``make install`` prints them."""
     require(compiler)

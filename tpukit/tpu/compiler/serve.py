@@ -1,51 +1,24 @@
 """The TPU compiler's worker process: reads compile requests on stdin, answers on stdout (pickled records).
 
-Started by :mod:`tpukit.tpu.worker` as ``python -c`` with a bare ``tpukit.tpu``
-package (tpukit's ``__init__`` is not run), so the worker loads jax and libtpu
-and nothing of torch or torch_xla. It is compile-only: its devices come from a
-topology description and no chip is ever opened. The protocol is a 4-byte
-big-endian length then a pickled dict, one request then one reply; libtpu's own
-logging goes to stderr, never to the protocol's stream.
+Started by :mod:`.worker` as ``python -c`` with bare ``tpukit``, ``tpukit.tpu`` and
+``tpukit.tpu.compiler`` packages (no ``__init__`` is run), so the worker loads jax
+and libtpu and nothing of torch or torch_xla. It is compile-only: its devices come
+from a topology description and no chip is ever opened. The protocol is a 4-byte
+big-endian length then a pickled dict, one request then one reply that carries
+the request's ``id`` back (a reply is never taken for another request's); libtpu's
+own logging goes to stderr, never to the protocol's stream. A refusal comes back
+as the compiler's text (``error``): the kernel's side reads it (:mod:`.refusal`).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import re
 import struct
 import sys
 import threading
 import time
 from typing import BinaryIO
-
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def _bytes(number: str, unit: str = "") -> int:
-    return int(float(number) * _UNITS[(unit or "").upper()[:1]])
-
-
-def memory_figures(message: str) -> tuple[int | None, int | None]:
-    """(bytes required, bytes available) from a TPU compiler out-of-memory message, when it says them."""
-    size = r"([\d.]+)\s*([KMGT]?)i?B?"
-    patterns = [  # the phrasings libtpu 0.0.42 and 0.0.21 use
-        (rf"required for [^(]*\({size}\) exceeds available HBM \({size}\)", 0, 2),
-        (rf"Used {size} of {size} hbm", 0, 2),
-        (r"Allocation \(size=(\d+)\)() would exceed memory \(size=(\d+)\)()", 0, 2),
-    ]
-    for pattern, need_at, have_at in patterns:
-        m = re.search(pattern, message)
-        if m:
-            g = m.groups()
-            return _bytes(g[need_at], g[need_at + 1]), _bytes(g[have_at], g[have_at + 1])
-    return None, None
-
-
-def is_memory_refusal(message: str) -> bool:
-    """True when the compiler refused for lack of HBM (not for another reason)."""
-    return "RESOURCE_EXHAUSTED" in message or "Ran out of memory" in message or "exceed memory" in message
-
 
 def loaded_allocator() -> str | None:
     """The malloc library preloaded into this process (``LD_PRELOAD`` took effect), or None for glibc's."""
@@ -60,8 +33,9 @@ def loaded_allocator() -> str | None:
 
 
 def handle(request: dict) -> dict:
-    """Serve one request: ``{"op": "compile", ...}`` -> the compiler's figures or its refusal. A ``"dump_to"``
-    folder in the request gets the compiler's dump of that compile (:mod:`tpukit.tpu.memory` reads it)."""
+    """Serve one request: ``{"op": "compile", ...}`` -> the compiler's figures or its refusal (``error``: its
+    text). A ``"dump_to"`` folder in the request gets the compiler's dump of that compile (:mod:`tpukit.tpu.dump`
+    reads it)."""
     from . import _jax
 
     if request.get("op") == "check":
@@ -75,10 +49,7 @@ def handle(request: dict) -> dict:
                                  aliases=request.get("aliases", ()), shard_over=request.get("shard_over", 1),
                                  flags=request.get("flags") or {}, dump_to=request.get("dump_to"))
     except Exception as exc:  # the compiler's refusal is the answer, not a failure of the worker
-        message = str(exc).strip()
-        need, have = memory_figures(message)
-        return {"error": message, "memory": is_memory_refusal(message), "required_bytes": need,
-                "limit_bytes": have, "compile_s": time.perf_counter() - start, "compiler": _jax.versions()}
+        return {"error": str(exc).strip(), "compile_s": time.perf_counter() - start, "compiler": _jax.versions()}
     stats["compile_s"] = time.perf_counter() - start
     stats["compiler"] = _jax.versions()  # the jax, jaxlib and libtpu that answered
     return stats
@@ -138,4 +109,4 @@ def main() -> None:
             reply = {"fatal": str(exc), "missing": True}
         except Exception as exc:  # a bad topology or a broken install: say so, keep serving
             reply = {"fatal": f"{type(exc).__name__}: {exc}"}
-        _write(out, reply)
+        _write(out, dict(reply, id=request.get("id")))
