@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 import tpukit
-from tpukit import events, hosts, remote, runtime
+from tpukit import events, runtime
 from tpukit.compiles import CompileEvent
+from tpukit.parallel import hosts, remote
 from tpukit.steps import StepRecord
 from tpukit.widgets import DashboardState, SliceState, SliceView
 from tpukit.widgets.slice import summary_html, summary_text
@@ -63,6 +64,7 @@ def test_current_host_comes_from_the_environment_run_on_slice_sets(monkeypatch):
         monkeypatch.setenv(key, value)
     assert hosts.current() == hosts.Host(3, 4, "s", "a") and not hosts.current().first
     assert tpukit.rank() == 3  # what checkpoint saving asks to decide who writes
+    assert tpukit.hosts is hosts  # what a function on a slice calls: tpukit.hosts.current()
 
 
 def test_accelerator_names_people_use_are_rays_names():

@@ -16,7 +16,6 @@ TPU code path of the launcher; it is named where it is used.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
@@ -32,8 +31,7 @@ from tpukit import spmd as spmd_mod
 import tpukit
 from tpukit import _ipython, _xla, runtime
 from tpukit import spmd as tk_spmd  # "spmd" is the fixture below
-
-launcher = importlib.import_module("tpukit.launch")  # the module (tpukit.launch is the function)
+from tpukit.parallel import launcher  # the module (tpukit.launch is the function)
 
 SCENARIOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scenarios")
 
@@ -323,7 +321,7 @@ def test_launch_reraises_replica_exception_with_traceback(launched):
     assert msg.startswith("replica rank 1 failed with ValueError: boom from rank 1")
     assert "Traceback (most recent call last)" in msg
     assert "in err_fn" in msg and "in _inner_failure" in msg  # the replica's own frames
-    assert os.path.join("tpukit", "launch.py") not in msg and os.path.join("tpukit", "_xla") not in msg  # plumbing trimmed
+    assert os.path.join("tpukit", "parallel", "launcher.py") not in msg and os.path.join("tpukit", "_xla") not in msg  # plumbing trimmed
 
 
 def test_failure_leaves_no_process_behind(launched):
@@ -432,7 +430,7 @@ def test_launch_in_a_real_notebook_kernel(tmp_path):
             return reply["content"], streams
 
         # fn is defined in a cell: only a forked child can run it.
-        reply, streams = run("import importlib, logging\nlauncher = importlib.import_module('tpukit.launch')\n"
+        reply, streams = run("import logging\nfrom tpukit.parallel import launcher\n"
                              "logging.basicConfig()  # a handler bound to the kernel's stderr stream\n"
                              "def work(i, x):\n    print(f'hello {i}')\n"
                              "    logging.getLogger('user').warning('logged in %d', i)\n    return x * 2\n"
@@ -496,7 +494,7 @@ def test_rank0_records_reach_the_launching_process():
 
     code = (
         "import json, torch, tpukit\n"
-        "from tpukit.launch import launch\n"
+        "from tpukit.parallel.launcher import launch\n"
         "got = []\n"
         "class L:\n"
         "    def on_step(self, r): got.append(['step', r.step, r.scalars.get('v')])\n"

@@ -25,7 +25,8 @@ ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
 import tpukit  # noqa: E402
-from tpukit import events, hosts  # noqa: E402
+from tpukit import events  # noqa: E402
+from tpukit.parallel import hosts  # noqa: E402
 
 # The hosts cannot import this test module: its functions travel by value, as a notebook's do.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -346,7 +347,7 @@ def test_a_raising_host_shows_its_traceback_and_the_others_are_cancelled(local_s
     assert message.startswith("host 2 failed: ValueError: host 2 cannot go on; the other hosts' tasks were cancelled. "
                               "Its traceback:"), message
     assert "in fail_on_host_two" in message and 'raise ValueError("host 2 cannot go on")' in message, message
-    assert "tpukit/hosts.py" not in message, "the traceback should start at the user's function"
+    assert "tpukit/parallel/hosts.py" not in message, "the traceback should start at the user's function"
     assert "[host 2] host two is about to fail" in capsys.readouterr().out
     assert_nothing_left_running()  # the other three hosts would sleep for 10 minutes if not cancelled
 

@@ -1,4 +1,4 @@
-"""tpukit.remote: what tpukit.launch and tpukit.run_on_slice share (the message type, the fd-level
+"""tpukit.parallel.remote: what tpukit.launch and tpukit.run_on_slice share (the message type, the fd-level
 capture, the ``[rank N]`` / ``[host N]`` prefixing, traceback trimming, record forwarding).
 
 Where a process boundary is the point, the test crosses a real one: messages are pickled in a child
@@ -20,8 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tpukit import events, remote
+from tpukit import events
 from tpukit.compiles import CompileEvent
+from tpukit.parallel import remote
 from tpukit.steps import StepRecord
 
 MESSAGES = (  # one of each kind, built the same way here and in the child below
@@ -38,7 +39,7 @@ def _messages() -> list:
 
 
 def test_messages_cross_a_process_boundary_by_pickle_unchanged():
-    code = ("import pickle, sys\nfrom tpukit import remote\nfrom tpukit.steps import StepRecord\n"
+    code = ("import pickle, sys\nfrom tpukit.parallel import remote\nfrom tpukit.steps import StepRecord\n"
             f"sys.stdout.buffer.write(pickle.dumps({MESSAGES}))\n")
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120)
     assert child.returncode == 0, child.stderr.decode()[-2000:]
@@ -115,7 +116,7 @@ def test_a_real_childs_output_is_prefixed_line_by_line_whatever_the_chunks(capsy
 def test_the_capture_takes_print_logging_fd_writes_and_child_processes_then_puts_all_back():
     code = r"""
 import json, logging, os, subprocess, sys
-from tpukit import remote
+from tpukit.parallel import remote
 
 logging.basicConfig(format="%(levelname)s:%(message)s")  # a handler bound to this sys.stderr
 handler = logging.getLogger().handlers[0]
@@ -174,7 +175,7 @@ def test_a_traceback_starts_at_the_users_code_past_tpukit_and_thread_pools():
 def test_a_traceback_of_plumbing_alone_is_kept_whole():
     msg = remote.run(0, int, ("seven",))  # raised inside a builtin called straight from tpukit
     assert msg.summary.startswith("ValueError: invalid literal for int()")
-    assert os.path.join("tpukit", "remote.py") in msg.traceback  # nothing of the user's to start at
+    assert os.path.join("tpukit", "parallel", "remote.py") in msg.traceback  # nothing of the user's to start at
 
 
 def test_run_says_how_the_function_ended():

@@ -31,11 +31,9 @@ from .checkpoint import CheckpointManager, Manifest, export_pretrained, load, sa
 from .compiles import CompileEvent, compiling_now
 from .events import remove_listener
 from .guards import expect_compiles, no_recompile_after
-from .launch import launch
-from .localslice import LocalSlice
 from .magics import load_ipython_extension, unload_ipython_extension
 from .metrics import Delta, Snapshot, snapshot
-from .pod import run_on_slice
+from .parallel import LocalSlice, launch, run_on_slice
 from .profile import Profile, ProfileSummary, profile
 from .runtime import Runtime, rank, setup
 from .spmd import device_loader, fsdp, mesh, shard_batch, sharding_spec
@@ -46,6 +44,7 @@ from . import events, widgets  # the notebook UI (imports no UI library)
 from . import data  # noqa: F401 (tpukit.data.bert_mask(...) after `import tpukit`: batching and the bucket advisor)
 from . import samples  # noqa: F401 (tpukit.samples.sentiment_sample(): the tutorials' offline data)
 from . import eager  # noqa: F401 (follows torch_xla's eager mode to name its per-op compiles)
+from .parallel import hosts  # noqa: F401 (tpukit.hosts.current(), process_group(): asked on a slice's hosts)
 
 # The one arrow from the core to the UI, drawn here where everything is imported: what
 # tpukit.dashboard() and track(dashboard=True) open (the core cannot import widgets).

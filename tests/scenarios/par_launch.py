@@ -14,7 +14,6 @@ starts sleeping replicas and waits to be killed (the test kills it).
 """
 
 import contextlib
-import importlib
 import io
 import json
 import os
@@ -28,8 +27,7 @@ import warnings
 
 import tpukit
 from tpukit import _xla, runtime
-
-launcher = importlib.import_module("tpukit.launch")  # the module (tpukit.launch is the function)
+from tpukit.parallel import launcher  # the module (tpukit.launch is the function)
 
 PIDDIR = sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp(prefix="tpukit-par-")
 os.makedirs(PIDDIR, exist_ok=True)

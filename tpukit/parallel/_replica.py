@@ -1,10 +1,10 @@
 """The child side of ``tpukit.launch``: what runs in each replica process.
 
 :func:`main` is the process's entry point. It points its output at the launching process's
-pipes (:class:`tpukit.remote.Redirect`), leaves Ctrl-C to the parent and dies with it, runs the
+pipes (:class:`~tpukit.parallel.remote.Redirect`), leaves Ctrl-C to the parent and dies with it, runs the
 user's function the way the launch plan says, forwards rank 0's step records and compile events,
-and sends one :class:`tpukit.remote.Message` with the result or the error. The parent's
-supervision is in :mod:`tpukit.launch`.
+and sends one :class:`~tpukit.parallel.remote.Message` with the result or the error. The parent's
+supervision is in :mod:`tpukit.parallel.launcher`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import _xla, events, remote, runtime
+from .. import _xla, events, runtime
+from . import remote
 
 _REDIRECTS: list[remote.Redirect] = []  # this process's capture, kept for its whole life
 

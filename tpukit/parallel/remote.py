@@ -29,7 +29,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import _ipython, events
+from .. import _ipython, events
 
 HELLO, OUTPUT, STEP, COMPILE, RESULT, ERROR = "hello", "output", "step", "compile", "result", "error"
 KINDS = (HELLO, OUTPUT, STEP, COMPILE, RESULT, ERROR)
@@ -159,7 +159,7 @@ def _flush(stream: Any) -> None:
         pass
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # tpukit/, not parallel/
 _PLUMBING = (os.sep + os.path.join("torch_xla", "_internal") + os.sep,  # torch_xla's replica set-up
              os.sep + os.path.join("concurrent", "futures") + os.sep,  # its thread pool
              os.sep + "threading.py")

@@ -3,11 +3,11 @@
 The kit does not manage a cluster: Ray does (``ray.util.tpu``: a ``SlicePlacementGroup`` reserves
 every host of one slice, ``run_on_slice`` starts one task per host, pinned to it). This module
 checks everything that can be checked before anything starts (the function pickles, the topology
-exists, and through :mod:`tpukit.raycluster` a cluster is reachable and has a whole idle slice),
-reserves the slice, starts :func:`tpukit.hosts.slice_host` on each host, and supervises: each
+exists, and through :mod:`~tpukit.parallel.raycluster` a cluster is reachable and has a whole idle slice),
+reserves the slice, starts :func:`~tpukit.parallel.hosts.slice_host` on each host, and supervises: each
 host's output reaches the cell prefixed ``[host N]``, its step records and compile events reach
 this process's listeners (the dashboard), host 0's return value comes back (all of it as
-:class:`tpukit.remote.Message` objects). A failing host, a crash or Ctrl-C cancels every task at
+:class:`~tpukit.parallel.remote.Message` objects). A failing host, a crash or Ctrl-C cancels every task at
 once (before anything else is asked of the cluster, such as a dead host's last output) and releases
 the slice; nothing is left running on the cluster. Nothing runs before the hosts' tasks start but
 the reservation: a small task would need a new Ray worker, which a busy host may take minutes to
@@ -21,8 +21,9 @@ import time
 import uuid
 from typing import Any, Callable
 
-from . import events, hosts, raycluster, remote
-from .errors import SliceError
+from .. import events
+from ..errors import SliceError
+from . import hosts, raycluster, remote
 
 log = logging.getLogger("tpukit")
 

@@ -16,7 +16,7 @@ import socket
 import time
 from typing import Any
 
-from .errors import SliceError
+from ..errors import SliceError
 
 log = logging.getLogger("tpukit")
 

@@ -21,8 +21,8 @@ import socket
 import time
 from typing import Any, Iterator
 
+from ..errors import SliceError
 from . import hosts
-from .errors import SliceError
 
 log = logging.getLogger("tpukit")
 

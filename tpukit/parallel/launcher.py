@@ -3,8 +3,8 @@
 This module is the launching process's side: the plan (modes, start methods), the refusals,
 and the supervision of the replicas (their output to the cell with ``[rank N]`` prefixes, rank
 0's step records and compile events to this process's listeners, results, failures, clean-up).
-What runs in each replica is :mod:`tpukit._replica`; what both sides share (messages, capture,
-prefixing, tracebacks) is :mod:`tpukit.remote`. Prefer SPMD (:mod:`tpukit.spmd`).
+What runs in each replica is :mod:`tpukit.parallel._replica`; what both sides share (messages,
+capture, prefixing, tracebacks) is :mod:`tpukit.parallel.remote`. Prefer SPMD (:mod:`tpukit.spmd`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import time
 import warnings
 from typing import Any, Callable
 
-from . import _ipython, _replica, _xla, environment, remote, runtime
-from .errors import LaunchError, TpukitWarning
+from .. import _ipython, _xla, environment, runtime
+from ..errors import LaunchError, TpukitWarning
+from . import _replica, remote
 
 log = logging.getLogger("tpukit")
 

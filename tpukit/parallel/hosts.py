@@ -1,14 +1,13 @@
 """The hosts of a TPU slice: their shape, what each one is told, and what runs on each under
 ``tpukit.run_on_slice``.
 
-One Ray task runs :func:`slice_host` on every host of the slice (``tpukit.pod`` starts them). It
-learns its host index from the node it landed on (the ``ray.io/tpu-worker-id`` label Ray reads from
-the TPU metadata), sets the environment torch_xla's multi-host SPMD reads (:func:`host_env`),
-captures the host's stdout and stderr at the file-descriptor level (XLA's C-level output too),
-tags the host's step records and compile events with its index, and runs the user's function in a
-thread while it yields all of that to the notebook as :class:`tpukit.remote.Message` objects of a
-Ray streaming generator (capture, messages, forwarding and tracebacks are shared with
-``tpukit.launch`` through :mod:`tpukit.remote`).
+One Ray task runs :func:`slice_host` on every host of the slice (:mod:`tpukit.parallel.pod` starts
+them). It learns its host index from the node it landed on (the ``ray.io/tpu-worker-id`` label Ray
+reads from the TPU metadata), sets the environment torch_xla's multi-host SPMD reads (:func:`host_env`),
+captures the host's stdout and stderr at the file-descriptor level (XLA's C-level output too), tags
+the host's step records and compile events with its index, and runs the user's function in a thread
+while it yields all of that to the notebook as :class:`~tpukit.parallel.remote.Message` objects of a
+Ray streaming generator (capture, messages, forwarding, tracebacks: shared with ``tpukit.launch``).
 
 :func:`current` tells code running on a slice which host it is on (a checkpoint writer uses it
 to decide who writes what); off a slice it is host 0 of 1. Ray is imported only inside functions:
@@ -29,10 +28,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from . import compiles, environment, events, raycluster, remote, runtime
-from .compiles import CompileEvent
-from .errors import SliceError
-from .steps import StepRecord
+from .. import compiles, environment, events, runtime
+from ..compiles import CompileEvent
+from ..errors import SliceError
+from ..steps import StepRecord
+from . import raycluster, remote
 
 INDEX_ENV = "TPUKIT_HOST_INDEX"  # this host's index in the slice, 0 .. count-1
 COUNT_ENV = "TPUKIT_HOST_COUNT"  # the number of hosts in the slice
@@ -367,7 +367,7 @@ def _host_index(ray: Any) -> int:
 def slice_host(payload: bytes, plan: Mapping[str, Any]) -> Iterator[remote.Message]:
     """The Ray streaming task ``run_on_slice`` starts on every host of the slice.
 
-    Yields :class:`tpukit.remote.Message` objects, in order: HELLO (the host's name, pid and Ray
+    Yields :class:`~tpukit.parallel.remote.Message` objects, in order: HELLO (the host's name, pid and Ray
     node id); then, while the user's function runs, OUTPUT, STEP (a ``HostStepRecord``) and
     COMPILE (a ``HostCompileEvent``) as they happen; last RESULT (the pickled value, on host 0
     only) or ERROR (a summary and the user's traceback).
