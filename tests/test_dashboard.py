@@ -607,6 +607,103 @@ def test_real_loop_widgets_then_static_report(rt, notebook):
     assert loop.summary()["verdict"] in repr(report)
 
 
+def small_mlp():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to(tpukit._xla.device())
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def classify(model, opt, x, y, reduction="mean"):
+    import torch
+
+    loss = torch.nn.functional.cross_entropy(model(x), y, reduction=reduction)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    tpukit.log(loss=loss)
+
+
+def test_a_loop_whose_first_step_raises_ends_stopped_by_the_exception_in_text_and_summary(rt, capsys):
+    import torch
+
+    model, opt = small_mlp()
+    data = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(4)]
+    loop = tpukit.track(data, dashboard=True, progress=False)
+    with pytest.raises(RuntimeError, match="only for scalar outputs") as raised:
+        for x, y in loop:
+            classify(model, opt, x, y, reduction="none")  # a loss per example: backward() refuses it
+    assert loop.dashboard.mode == "text"
+    out = capsys.readouterr().out
+    assert "tpukit: done" not in out, out
+    (final,) = [line for line in out.splitlines() if line.startswith("tpukit: stopped")]
+    assert final.startswith("tpukit: stopped by RuntimeError at step 1 · "), final
+    assert "  stopped by RuntimeError at step 1" not in out  # the closing line said it: the report does not repeat it
+    assert str(loop.stopped) == "stopped by RuntimeError at step 1" and loop.stopped.message == str(raised.value)
+    assert loop.summary()["stopped"] == {"error": "RuntimeError", "message": str(raised.value), "step": 1}
+
+
+def test_a_loop_raising_at_step_3_shows_it_in_the_widgets_and_the_report(rt, notebook):
+    import torch
+
+    model, opt = small_mlp()
+    data = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(6)]
+    loop = tpukit.track(data, dashboard=True, progress=False)
+    with pytest.raises(KeyError, match="no such label"):
+        for step, (x, y) in enumerate(loop, 1):
+            classify(model, opt, x, y)
+            if step == 3:
+                {}["no such label"]
+    d = loop.dashboard
+    assert d.mode == "widgets" and not d.running
+    assert [r.step for r in loop.history] == [1, 2, 3]  # the step that raised is recorded too
+    assert "stopped by KeyError at step 3" in d.values()["now"] and render.BAD in d.values()["now"]
+    (slot,) = notebook.slots
+    (report,) = slot.replaced  # the report took the widget's place
+    page = report._repr_html_()
+    assert "<b>stopped by KeyError at step 3</b>: the loop ended with this exception" in page
+    assert "\n  stopped by KeyError at step 3\n" in repr(report)  # its text/plain
+    assert loop.summary()["stopped"]["step"] == 3
+
+
+def test_a_loop_left_by_break_is_done_even_after_an_exception_it_caught(rt, capsys):
+    import torch
+
+    model, opt = small_mlp()
+    data = [(torch.randn(4, 8), torch.randint(0, 2, (4,))) for _ in range(6)]
+    caught = []
+    loop = tpukit.track(data, dashboard=True, progress=False)
+    for step, (x, y) in enumerate(loop, 1):
+        classify(model, opt, x, y)
+        try:
+            {}["a label"]
+        except KeyError as exc:  # kept: its traceback still points at this frame
+            caught.append(exc)
+        if step == 2:
+            break
+    out = capsys.readouterr().out
+    assert "tpukit: done · step 2 · " in out and "stopped" not in out, out
+    assert loop.stopped is None and loop.summary()["stopped"] is None
+
+
+def test_a_guard_that_raises_ends_the_loop_stopped_by_it(rt, capsys):
+    import torch
+
+    model, opt = small_mlp()
+    sizes = [5, 5, 5, 7, 7, 7]  # sizes no other test here compiles: step 4 recompiles, after 2 warm-up steps
+    data = [(torch.randn(n, 8), torch.randint(0, 2, (n,))) for n in sizes]
+    loop = tpukit.track(data, dashboard=True, progress=False, guard=tpukit.no_recompile_after(2))
+    with pytest.raises(tpukit.RecompilationError, match="step 4 recompiled"):
+        for x, y in loop:
+            classify(model, opt, x, y)
+    out = capsys.readouterr().out
+    assert "tpukit: done" not in out
+    assert re.search(r"^tpukit: stopped by RecompilationError at step 4 · ", out, re.M), out  # the step it judged
+    assert loop.summary()["stopped"]["error"] == "RecompilationError"
+
+
 # ---------------------------------------------------------------- real compile, SPMD (subprocess)
 
 SCRIPT = textwrap.dedent("""

@@ -10,10 +10,14 @@ per device) never share anything but the listener registry.
 from __future__ import annotations
 
 import dataclasses
+import dis
+import gc
 import logging
 import math
 import statistics
+import sys
 import time
+import types
 from typing import Any, Iterable, Iterator
 
 from . import _tree, _xla, compiles, events, metrics, steps, tpu
@@ -24,7 +28,46 @@ from .steps import StepRecord
 from .verdict import Verdict, bottleneck
 
 _END = object()
+_DROPS_ITERATOR = ("POP_TOP", "POP_ITER")  # how a frame drops its for loop's iterator (break, return)
 log = logging.getLogger("tpukit")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stopped:
+    """How a tracked loop ended by an exception: the exception's type name, its message, and the step
+    that was running (or whose batch was being fetched) when it was raised."""
+
+    error: str
+    message: str
+    step: int
+
+    @classmethod
+    def of(cls, exc: BaseException, step: int) -> "Stopped":
+        """The record of ``exc`` raised at ``step``."""
+        return cls(type(exc).__name__, str(exc), step)
+
+    def __str__(self) -> str:
+        return f"stopped by {self.error} at step {self.step}"
+
+
+def raised_in(frame: Any) -> BaseException | None:
+    """The exception leaving ``frame`` now, or None when the frame left its loop itself (break, return).
+
+    A generator closed while the frame that iterates it unwinds never sees the exception: the interpreter
+    sets it aside while the generator runs its ``finally``. The traceback entry the interpreter already
+    added for that frame is the one handle on it; one kept from an earlier step is told apart by the
+    frame's own instruction, which drops the loop's iterator when it left by itself."""
+    if frame is None:
+        return None
+    code = frame.f_code.co_code
+    if 0 <= frame.f_lasti < len(code) and dis.opname[code[frame.f_lasti]] in _DROPS_ITERATOR:
+        return None
+    for tb in gc.get_referrers(frame):
+        if isinstance(tb, types.TracebackType) and tb.tb_frame is frame:
+            for exc in gc.get_referrers(tb):
+                if isinstance(exc, BaseException) and exc.__traceback__ is tb:
+                    return exc
+    return None
 
 
 def batch_size_of(batch: Any) -> int | None:
@@ -88,6 +131,7 @@ class Tracker:
         self.tail_wait = 0.0    # seconds waiting for the device after the last step
         self.tail_device = 0.0  # device busy seconds in that wait
         self.compiles_before = 0  # compiles of the work queued before the loop, which it flushed as it began
+        self.stopped: Stopped | None = None  # the exception the loop ended by, and at which step
 
     def __len__(self) -> int:
         if self.total is None:
@@ -109,15 +153,18 @@ class Tracker:
         self._start(_progress_bar(self.total, self.desc) if self.progress else None)
         completed = False
         clk = time.perf_counter
+        step = 0  # the step running, or whose batch is being fetched
         try:
             with self._loop:
                 # A step's logged values are read just before a later step's sync, several
                 # steps' at once, and its record is published after that sync (see after_step):
                 # the host seldom waits for the device while it could be tracing the next step.
                 while True:
+                    step += 1
                     t0 = clk()
                     batch = next(source, _END)  # waiting for data, and nothing else
                     if batch is _END:
+                        step -= 1  # what is left is the last step's
                         break
                     if not on_device:
                         batch = to_device(batch, self.device)
@@ -125,11 +172,18 @@ class Tracker:
                     try:
                         yield batch
                     except GeneratorExit:  # the loop ended early (break, return, an exception)
+                        exc = raised_in(sys._getframe(1))  # the frame of the for loop, unwinding if it raised
+                        self.stopped = Stopped.of(exc, step) if exc is not None else None
                         completed = self._end_early()
                         raise
                     self.after_step()
                 self._finish()
             completed = True
+        except GeneratorExit:
+            raise
+        except BaseException as exc:  # the data, the sync or the guard raised: the loop ends by it
+            self.stopped = self.stopped or Stopped.of(exc, step)  # the guard names the step it judged
+            raise
         finally:
             self._close(completed)
 
@@ -231,6 +285,7 @@ class Tracker:
         self._input_time = 0.0
         self._n: int | None = None
         self.started = time.time()
+        self.stopped = None
         self.follower = tpu.follower()
         self._ties = _xla.ties.FirstStep("tpukit.track")  # weights the move to the device untied: tied again
         events.call("on_track_start", self)
@@ -272,7 +327,11 @@ class Tracker:
             if rec.scalars:
                 bar.set_postfix({k: f"{v:.4g}" for k, v in list(rec.scalars.items())[:3]}, refresh=False)
         if self.guard is not None:
-            self.guard.check(rec)
+            try:
+                self.guard.check(rec)
+            except BaseException as exc:
+                self.stopped = Stopped.of(exc, rec.step)
+                raise
 
     def step_times(self) -> list[float]:
         """Wall seconds of each step."""
@@ -301,7 +360,9 @@ class Tracker:
         loop, and with a target TPU (``setup(target=...)``) ``"tpu"``: per graph of the loop, what the TPU
         compiler said (None when no target is set). It waits at most ``wait`` seconds for the answers still
         on their way (a large graph takes the compiler minutes); a graph it has no answer for yet has
-        ``"pending": True``: ask again later, or pass a longer ``wait``."""
+        ``"pending": True``: ask again later, or pass a longer ``wait``. ``"stopped"``: None when the loop ran
+        out or was left by ``break``/``return``; when an exception ended it, ``{"error": its type's name,
+        "message": ..., "step": the step it was raised in}``."""
         h = self.history
         steady = [r.wall for r in h if r.compiles == 0] or [r.wall for r in h]
         kinds = [e.kind for r in h for e in r.compile_events]
@@ -309,6 +370,7 @@ class Tracker:
         eager = sum(r.eager_compiles for r in h)
         places = list(dict.fromkeys(f"{e.cause} at {e.where}" for r in h for e in r.compile_events if e.eager))
         return {
+            "stopped": dataclasses.asdict(self.stopped) if self.stopped else None,
             "steps": len(h),
             "compiles": sum(r.compiles for r in h),
             "compiles_before": self.compiles_before,

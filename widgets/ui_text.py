@@ -51,7 +51,7 @@ class TextFrontEnd(FrontEnd):
             self._print(render.text_line(view))
 
     def close(self) -> None:
-        """Print the closing line (``tpukit: done · ...``)."""
+        """Print the closing line (``tpukit: done · ...``, or ``tpukit: stopped by <exception> at step N · ...``)."""
         self._print(render.text_line(self.state.view(), final=True))
         self.final_printed = True
 

@@ -119,6 +119,7 @@ class View:
     step_compiles: int | None = None  # of ``compiles``: those the step records count (None: not known)
     compiles_before: int = 0     # of ``compiles``: those of the work tracked loops flushed as they began
     closed: bool = False         # the dashboard was closed: the step records are all in
+    stopped: str | None = None   # "stopped by RuntimeError at step 1": the tracked loop ended by an exception
 
 
 @dataclass(frozen=True)
