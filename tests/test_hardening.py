@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import tpukit
-from tpukit import advisor, data
+from tpukit import buckets, data
 from conftest import run_python
 
 # ------------------------------------------------------------------ BucketBatcher
@@ -111,8 +111,8 @@ def _old_suggest(lengths, batch_size, *, max_buckets=8, multiple=8, max_length=N
     """The advisor before issue 27, kept as the reference: plain loops over every example and every
     (a, j) pair of candidates. The new one must give exactly the same BucketAdvice."""
     ls = [int(n) for n in lengths]
-    compile_time = advisor.DEFAULT_COMPILE_S if compile_s is None else float(compile_s)
-    step = advisor._step_model(batch_size, None, None, step_time)
+    compile_time = buckets.DEFAULT_COMPILE_S if compile_s is None else float(compile_s)
+    step = buckets._step_model(batch_size, None, None, step_time)
 
     def round_up(n):
         r = max(multiple, math.ceil(n / multiple) * multiple)

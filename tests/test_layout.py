@@ -31,7 +31,7 @@ MAX_LINES = 400
 
 LAYERS = {
     "errors": 0, "_version": 0, "cache": 0, "_xla": 0, "_tree": 0, "_text": 0, "_ipython": 0, "_stderr": 0, "environment": 0, "samples": 0,
-    "metrics": 1, "events": 1, "advisor": 1, "verdict": 1, "runtime_record": 1,
+    "metrics": 1, "events": 1, "buckets": 1, "verdict": 1, "runtime_record": 1,
     "compiles": 2, "tpu": 2,
     "runtime": 3, "steps": 3, "eager": 3,
     "spmd": 4, "data": 4, "guards": 4, "parallel": 4,  # parallel: launch, the slice runner, what they share

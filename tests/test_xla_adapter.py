@@ -75,6 +75,6 @@ def test_import_tpukit_makes_tpukit_data_reachable_without_loading_torch_xla():
     proc = run_python("import sys, tpukit, torch\n"
                       "m = tpukit.data.bert_mask(torch.tensor([[1, 1, 0]]))\n"
                       "print(tuple(m.shape), float(m[0, 0, 0, 2]) < -1e30, 'torch_xla' in sys.modules,\n"
-                      "      tpukit.data.suggest_buckets is tpukit.advisor.suggest_buckets)")
+                      "      tpukit.data.suggest_buckets is tpukit.buckets.suggest_buckets)")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["(1,", "1,", "1,", "3)", "True", "False", "True"], proc.stdout

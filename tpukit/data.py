@@ -8,7 +8,7 @@ less than padding everything to the maximum length.
 
 Which lengths: ``suggest_buckets`` picks them from the length histogram, the
 set that minimises the expected training time (padded steps plus one compile
-per bucket) under a stated cost model. It lives in :mod:`tpukit.advisor` and is
+per bucket) under a stated cost model. It lives in :mod:`tpukit.buckets` and is
 re-exported here with ``evaluate_buckets`` and ``BucketAdvice``.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .advisor import (  # noqa: F401 (the bucket advisor, re-exported: tpukit.data.suggest_buckets)
+from .buckets import (  # noqa: F401 (the bucket advisor, re-exported: tpukit.data.suggest_buckets)
     DEFAULT_COMPILE_S,
     DEFAULT_STEP_OVERHEAD_S,
     DEFAULT_TOKEN_S,

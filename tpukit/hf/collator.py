@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..advisor import suggest_buckets
+from ..buckets import suggest_buckets
 from ..data import DataError, bert_mask, bucket_for, bucket_lengths
 
 DEFAULT_BATCH = 8  # TrainingArguments' per_device_train_batch_size default
