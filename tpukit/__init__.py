@@ -3,8 +3,8 @@
 ``import tpukit`` imports neither torch_xla nor any UI library (ipywidgets,
 matplotlib, IPython): it does not start the runtime. The optional parts
 (``tpukit.hf``, ``tpukit.widgets``, ``tpukit.tpu``) are attributes after a plain
-``import tpukit``; ``tpukit.hf`` is imported on first use (and transformers with its
-``Callback``), ipywidgets and matplotlib by the front end that draws, jax only in the
+``import tpukit``; ``tpukit.hf`` is imported on first use (it imports neither transformers
+nor torch_xla), ipywidgets and matplotlib by the front end that draws, jax only in the
 TPU compiler's worker process.
 """
 

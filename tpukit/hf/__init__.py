@@ -8,22 +8,17 @@
 - ``Trainer(..., data_collator=tpukit.hf.BucketCollator(tokenizer, lengths=...))``: a few
   declared bucket lengths and BERT's ready 4-D mask: no recompilation, no forced read.
 
-``import tpukit.hf`` does not import transformers: ``Callback`` (a
-``transformers.TrainerCallback``) is built the first time it is used.
+Reaching ``tpukit.hf`` (``import tpukit.hf``, ``tpukit.hf.Callback``, making a ``Callback`` or a
+``BucketCollator``) imports neither transformers nor torch_xla, so it may come before
+``tpukit.setup()`` without costing the compile causes (transformers' ``TrainerCallback`` imports
+accelerate, which imports torch_xla: ``Callback`` is not a subclass of it; see
+:mod:`tpukit.hf.callback`).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from .checks import TrainerSetupError, check_training
 from .collator import BucketCollator
-from .callback import CallbackLogic, callback_class
+from .callback import Callback
 
 __all__ = ["Callback", "BucketCollator", "check_training", "TrainerSetupError"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "Callback":
-        return callback_class()
-    raise AttributeError(f"module 'tpukit.hf' has no attribute {name!r}")

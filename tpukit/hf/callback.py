@@ -10,8 +10,13 @@ fetches the next batch, its logging, its evaluation), so one record per optimize
 (``state.global_step``) holds all the syncs of that step. The loop's hint for a batch
 that changed shape names the Trainer's collator and the fix.
 
-``Callback`` is built on first use (``tpukit.hf.Callback``), so ``import tpukit.hf`` does
-not import transformers.
+``Callback`` is a plain class, not a subclass of ``transformers.TrainerCallback``: importing
+transformers' ``TrainerCallback`` imports accelerate, which imports torch_xla, and a torch_xla
+loaded before ``tpukit.setup()`` leaves compile tracing off for the process (no causes, no
+recompilation alarms, no TPU rows). The Trainer calls each callback's events by name
+(``on_train_begin``, ``on_step_begin``, ...), so the events tpukit does not use are answered
+as ``TrainerCallback`` answers them: by doing nothing. Neither ``tpukit.hf.Callback`` nor
+``Callback()`` imports transformers or torch_xla.
 """
 
 from __future__ import annotations
@@ -26,13 +31,13 @@ from . import checks
 
 # Callbacks whose training is running, per thread: a train() that raised (an interrupted cell, an
 # out-of-memory error) never calls on_train_end, so the next one on that thread ends its loop first.
-_RUNNING: dict[int, "CallbackLogic"] = {}
+_RUNNING: dict[int, "Callback"] = {}
 TRAIN_PLACE = "the Trainer's training step"
 EVAL_PLACE = "the Trainer's evaluation"
 
 
-class CallbackLogic:
-    """The body of :class:`tpukit.hf.Callback` (a ``transformers.TrainerCallback``).
+class Callback:
+    """The kit inside a ``transformers.Trainer``: ``Trainer(..., callbacks=[tpukit.hf.Callback()])``.
 
     ``dashboard``: open tpukit's live dashboard for the run (its report at the end).
     ``guard``: ``tpukit.no_recompile_after(k)``, raising on a recompilation after ``k`` steps.
@@ -62,6 +67,13 @@ class CallbackLogic:
         self._logs: dict[str, float] = {}
         self._evals: list[list[Any]] = []  # [mark at the first eval forward, mark at on_evaluate]
         self._thread: int | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        """An event of the Trainer that tpukit does not use (``on_save``, ``on_prediction_step``, ...,
+        and any a later transformers adds): nothing to do, as ``TrainerCallback``'s own events do."""
+        if name.startswith("on_"):
+            return _nothing
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------------ the Trainer's events
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -192,15 +204,6 @@ class CallbackLogic:
         return out
 
 
-_CLASS: list[type] = []
-
-
-def callback_class() -> type:
-    """``tpukit.hf.Callback``: :class:`CallbackLogic` as a ``transformers.TrainerCallback`` (built once)."""
-    if not _CLASS:
-        from transformers import TrainerCallback  # optional heavy dependency: only when a callback is made
-
-        cls = type("Callback", (CallbackLogic, TrainerCallback), {"__module__": "tpukit.hf",
-                                                                   "__doc__": CallbackLogic.__doc__})
-        _CLASS.append(cls)
-    return _CLASS[0]
+def _nothing(*args: Any, **kwargs: Any) -> None:
+    """A Trainer event tpukit does not use (it returns no control, as TrainerCallback's own do)."""
+    return None
