@@ -543,6 +543,55 @@ def test_async_save_error_surfaces_on_the_next_call(tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- transformers
 
+def _gpt2_in_the_readmes_order(dev, seed):
+    """A tiny GPT-2 moved to the device (which unties lm_head.weight from transformer.wte.weight), then its
+    optimizer: over 17 tensors, the untied copy among them."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=64, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(cfg).to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert model.lm_head.weight is not model.transformer.wte.weight and len(_held(opt)) == 17
+    return model, opt
+
+
+def _held(opt) -> list:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def test_track_and_restore_tie_a_moved_gpt2_again_and_its_optimizer_holds_the_models_own_parameters(tmp_path, dev):
+    model, opt = _gpt2_in_the_readmes_order(dev, seed=0)
+    copy = model.lm_head.weight
+    batches = [torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for ids in tpukit.track(batches, progress=False):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert len(_held(opt)) == 16 and {id(p) for p in _held(opt)} == {id(p) for p in model.parameters()}
+    assert copy not in opt.state and len(opt.state) == 16  # every parameter trained, the copy never
+    (told,) = [str(w.message) for w in said if issubclass(w.category, TpukitWarning)]
+    assert ("tpukit.track tied them again with model.tie_weights(); the optimizer made before (AdamW) held the "
+            "untied copy, and now holds the tied tensor in its place") in told
+    mgr = ck.CheckpointManager(tmp_path)
+    mgr.save(2, model=model.state_dict(), optimizer=opt.state_dict())
+    mgr.close()
+
+    fresh, fresh_opt = _gpt2_in_the_readmes_order(dev, seed=1)  # made the same way, before the restore
+    with pytest.warns(TpukitWarning, match=r"CheckpointManager\.restore tied them again"):
+        assert ck.CheckpointManager(tmp_path).restore(fresh, fresh_opt) == 2
+    assert fresh.lm_head.weight is fresh.transformer.wte.weight  # the tie held
+    assert {id(p) for p in _held(fresh_opt)} == {id(p) for p in fresh.parameters()} and len(_held(fresh_opt)) == 16
+    assert torch.equal(fresh.transformer.wte.weight.cpu(), model.transformer.wte.weight.cpu())
+    saved, loaded = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+    assert sorted(saved) == sorted(loaded) == list(range(16))
+    for i in saved:  # each parameter's AdamW moments landed on the same parameter
+        assert torch.equal(saved[i]["exp_avg"].cpu(), loaded[i]["exp_avg"].cpu()), i
+
+
 def test_export_pretrained_tiny_bert_from_xla_loads_on_cpu(tmp_path, dev, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertTokenizerFast

@@ -1,6 +1,6 @@
 """Checkpoints at scale on XLA:CPU: exact resume, streamed saves, preflight, sharded SPMD states.
 
-Fresh processes (tests/scenarios/ckpt_resume.py, tests/scenarios/ckpt_sharded.py) stand for the
+Fresh processes (tests/scenarios/ckpt_resume.py, ckpt_tied_resume.py, ckpt_sharded.py) stand for the
 resuming run and for meshes of 2 and 4 virtual devices (the device count is fixed
 when the runtime starts). Mocked only: low host memory (a machine cannot be
 made short of memory on demand).
@@ -60,6 +60,22 @@ def test_dropout_run_resumes_bit_exact_in_a_fresh_process_that_seeded_differentl
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and sorted(again) == [4, 5, 6]
     assert {s: losses[s] for s in (4, 5, 6)} == again  # exact: the floats' hex
     assert len(set(losses.values())) == 6  # dropout and fresh batches: every step's loss differs
+
+
+def test_a_tied_gpt2_in_the_readmes_order_resumes_in_a_fresh_process_tied_with_the_models_own_parameters(tmp_path):
+    # The README's order (model to the device, the optimizer, then the loop) with a model whose move to the
+    # device untied its weights: trained, checkpointed at step 3, resumed by a fresh process made the same way.
+    script = str(SCENARIOS / "ckpt_tied_resume.py")
+    path = os.pathsep.join(p for p in (str(SCENARIOS), os.environ.get("PYTHONPATH")) if p)  # this test's tpukit
+    full = _run(script, str(tmp_path), "full", PYTHONPATH=path).splitlines()
+    resumed = _run(script, str(tmp_path), "resume", PYTHONPATH=path).splitlines()  # no error: it ran to its end
+    for out in (full, resumed):
+        assert "tied True" in out, out  # lm_head.weight is transformer.wte.weight again
+        assert "optimizer 16 model 16 same True" in out, out  # exactly the model's parameters, the copy gone
+    losses = {int(line.split()[1]): line.split()[2] for line in full if line.startswith("loss")}
+    again = {int(line.split()[1]): line.split()[2] for line in resumed if line.startswith("loss")}
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6] and sorted(again) == [4, 5, 6]
+    assert {s: losses[s] for s in (4, 5, 6)} == again  # trained on as the run that never stopped: the same floats
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".safetensors"])

@@ -5,11 +5,15 @@ weights a model shares (GPT-2's ``lm_head.weight is transformer.wte.weight``) be
 two tensors: a hand-written loop then trains two copies, an estimate counts both,
 an export keeps one. Only a model that declares its ties can be checked: Hugging
 Face models do (``all_tied_weights_keys`` in transformers 5, the tied word
-embeddings of their config before), and ``tie_weights()`` ties them again.
+embeddings of their config before), and ``tie_weights()`` ties them again. An
+optimizer made before that holds the copy the tie dropped: it is handed the tied
+tensor in its place (:func:`repoint`), so it trains the model's own parameters and
+its state dict fits one made after the tie (a resume loads either into the other).
 """
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 from typing import Any
@@ -48,10 +52,52 @@ def untied(model: Any) -> list[tuple[str, str]]:
     return found
 
 
+def optimizers() -> list[Any]:
+    """The live ``torch.optim.Optimizer`` objects of this process (none is registered anywhere: the
+    collector's list of objects is the one place that has them all)."""
+    from torch.optim import Optimizer
+
+    return [o for o in gc.get_objects() if issubclass(type(o), Optimizer)]
+
+
+def repoint(model: Any, before: list[tuple[str, Any]]) -> list[Any]:
+    """Hand each optimizer that holds a parameter ``model`` no longer has (``before``: its named parameters,
+    duplicates included, before it tied them) the tensor now at that name: dropped where the optimizer holds
+    that tensor already, put in its place (with its state) otherwise. Returns the optimizers changed."""
+    now = dict(model.named_parameters(remove_duplicate=False))
+    kept = {id(p) for p in now.values()}
+    swap = {id(p): now[name] for name, p in before if id(p) not in kept and name in now}
+    if not swap:
+        return []
+    changed = []
+    for opt in optimizers():
+        groups = opt.param_groups
+        if not any(id(p) in swap for g in groups for p in g["params"]):
+            continue
+        held = {id(p) for g in groups for p in g["params"]}
+        for g in groups:
+            params = []
+            for p in g["params"]:
+                tied = swap.get(id(p))
+                if tied is None:
+                    params.append(p)
+                    continue
+                state = opt.state.pop(p, None)
+                if id(tied) not in held:  # the optimizer had the copy only: it trains the tied tensor now
+                    params.append(tied)
+                    held.add(id(tied))
+                    if state is not None:
+                        opt.state[tied] = state
+            g["params"] = params
+        changed.append(opt)
+    return changed
+
+
 def retie(model: Any, by: str, stacklevel: int = 3) -> list[tuple[str, str]]:
-    """Tie again what the model declares tied but holds as two tensors (with its ``tie_weights()``),
-    with a :class:`~tpukit.TpukitWarning` naming the parameters and ``by`` (the call that found them);
-    without ``tie_weights()`` the warning says how. Returns the pairs that were untied."""
+    """Tie again what the model declares tied but holds as two tensors (with its ``tie_weights()``), and
+    :func:`repoint` the optimizers made before, with a :class:`~tpukit.TpukitWarning` naming the parameters,
+    ``by`` (the call that found them) and the optimizers it changed; without ``tie_weights()`` the warning
+    says how. Returns the pairs that were untied."""
     pairs = untied(model)
     if not pairs:
         return []
@@ -59,11 +105,18 @@ def retie(model: Any, by: str, stacklevel: int = 3) -> list[tuple[str, str]]:
     what = (f"{type(model).__name__} declares {named} tied but holds them as two tensors (moving a module to an "
             "XLA device gives every parameter a new tensor), so training would update two copies")
     if callable(getattr(model, "tie_weights", None)):
+        before = list(model.named_parameters(remove_duplicate=False))
         model.tie_weights()
         if not untied(model):
-            warnings.warn(f"{what}: {by} tied them again with model.tie_weights(). Call it yourself right after "
-                          "model.to(device), before you create the optimizer (one made before holds the "
-                          "untied copy).", TpukitWarning, stacklevel=stacklevel)
+            changed = repoint(model, before)
+            held = ""
+            if changed:
+                names = ", ".join(dict.fromkeys(type(o).__name__ for o in changed))
+                held = (f"; the optimizer made before ({names}) held the untied copy, and now holds the tied "
+                        "tensor in its place")
+            warnings.warn(f"{what}: {by} tied them again with model.tie_weights(){held}. Call it yourself right "
+                          "after model.to(device), before you create the optimizer, and nothing needs fixing.",
+                          TpukitWarning, stacklevel=stacklevel)
             return pairs
     a, b = pairs[0]
     warnings.warn(f"{what}, and {by} could not tie them again. Call model.tie_weights() right after "

@@ -231,12 +231,17 @@ class CheckpointManager:
         checkpoint holds them), whatever the process seeded before. Every
         ``torch_xla.sync()`` advances the XLA seed, so for an exact resume save
         after the step's sync (``tpukit.track`` does) and restore right before the
-        loop, with no sync in between.
+        loop, with no sync in between. Weights the model declares tied but holds as two tensors (a Hugging
+        Face model moved to an XLA device) are tied again first, as ``tpukit.track`` ties them, and an
+        optimizer made before holds the tied tensor after, so the state of a run
+        that trained the tied model fits.
         """
         for name, target in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler)):
             check_target(name, target)
         if step_var is not None and not isinstance(step_var, torch.Tensor):
             raise TypeError(f"restore(step_var=...) got a {type(step_var).__name__}; pass a tensor (or None).")
+        if model is not None:
+            _xla.ties.retie(model, "CheckpointManager.restore")
         self.wait()
         newest = self.all_steps()
         sharded = self._sharded_payload(newest[-1]) if newest else None
