@@ -163,7 +163,7 @@ def resolve(name: str) -> object:
     obj = importlib.import_module(parts[0])
     for i, part in enumerate(parts[1:], start=1):
         if i == len(parts) - 1 and part in getattr(obj, "__all__", ()):
-            return obj  # exported; maybe built lazily (tpukit.hf.Callback would import transformers here)
+            return obj  # exported; maybe built on first use
         if not hasattr(obj, part):
             try:
                 importlib.import_module(".".join(parts[: i + 1]))
@@ -250,3 +250,45 @@ def test_readme_python_runs(tmp_path):
     assert proc.returncode == 0, f"a README block failed:\n{out[-6000:]}"
     for line, _ in run:
         assert f"=== README.md:{line} ran in" in proc.stdout, out[-3000:]
+
+
+MAGICS_PAGE = ROOT / "docs" / "magics.md"
+MAGIC_NAME = re.compile(r"%%?(\w+)")
+OPTION = re.compile(r"(?<![\w-])--[a-z][\w-]*")
+
+
+def magics_table(page: Path = MAGICS_PAGE) -> list[tuple[int, set[str], set[str], set[str]]]:
+    """The rows of the page's magics table: (line, the magics its first column names, the options its first
+    column shows, the options the whole row names)."""
+    rows = []
+    for number, line in split(page)[0]:
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip())[1:-1]]
+        if len(cells) < 2 or not cells[0].startswith("`%"):
+            continue
+        rows.append((number, set(MAGIC_NAME.findall(cells[0])), set(OPTION.findall(cells[0])),
+                     set(OPTION.findall(line))))
+    return rows
+
+
+def test_the_magics_table_shows_each_magic_with_its_real_options():
+    """docs/magics.md's table against the magics' own argument parsers: every magic has a row, the row names
+    every option the magic takes (issue 44: %%xla --target was missing) and its usage shows no option the magic
+    lacks."""
+    pytest.importorskip("IPython")
+    from tpukit import magics
+
+    cls = magics._magics_class()
+    options = {name: {s for a in getattr(cls, method).parser._actions for s in a.option_strings if s.startswith("--")}
+               for table in cls.magics.values() for name, method in table.items()}
+    rows = magics_table()
+    assert rows, f"{MAGICS_PAGE.name} has no table of magics"
+    problems = [f"%{name} has no row in {MAGICS_PAGE.name}'s table"
+                for name in sorted(set(options) - set().union(*(names for _, names, _, _ in rows)))]
+    for number, names, usage, named in rows:
+        real = set().union(*(options.get(n, set()) for n in names))
+        problems += [f"{MAGICS_PAGE.name}:{number}: %{n} is not a magic of tpukit" for n in sorted(names - set(options))]
+        problems += [f"{MAGICS_PAGE.name}:{number}: the row does not name {o} of %{n}"
+                     for n in sorted(names) for o in sorted(options.get(n, set()) - named)]
+        problems += [f"{MAGICS_PAGE.name}:{number}: {o} is no option of {', '.join('%' + n for n in sorted(names))}"
+                     for o in sorted(usage - real)]
+    assert not problems, "\n".join(problems)
