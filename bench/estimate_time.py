@@ -281,7 +281,7 @@ def child_kit(mode: str, steps: list[str], out: str, hlo_dir: str) -> None:
             est = tpukit.estimate(step, *args, target=TARGET)
             t1 = time.perf_counter()
             assert W.cache_info()["misses"] == misses + 1, "the estimate did not compile exactly once"
-            assert est.fits and not est.suggestions, est
+            assert est.fits and not est.advice, est
             msg = probe.message
             hlo = msg["hlo"]
             t_p = time.perf_counter()

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(1200)
 import torch  # noqa: E402
 
 import tpukit  # noqa: E402
-from tpukit import _xla, runtime  # noqa: E402
+from tpukit import TpukitWarning, _xla, runtime  # noqa: E402
 from tpukit.tpu.compiler import pins as compilers, venvs as envs, worker  # noqa: E402
 from estimate_steps import mlp, train_step  # noqa: E402
 
@@ -199,7 +199,8 @@ def test_an_environment_is_built_once_and_atomically(other, compilers_dir):
 BUILD = r"""
 import sys, types, logging
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-for name, path in (("tpukit", sys.argv[1]), ("tpukit.tpu", sys.argv[1] + "/tpu")):  # envs alone: no torch
+for name, path in (("tpukit", sys.argv[1]), ("tpukit.tpu", sys.argv[1] + "/tpu"),
+                   ("tpukit.tpu.compiler", sys.argv[1] + "/tpu/compiler")):  # venvs alone: no torch
     m = types.ModuleType(name); m.__path__ = [path]; sys.modules[name] = m
 from tpukit.tpu.compiler import venvs as envs
 print("PYTHON", envs.python(dict(jax=sys.argv[2], jaxlib=sys.argv[2], libtpu=sys.argv[3]), "the test"))
@@ -226,18 +227,36 @@ def test_concurrent_builders_share_one_build_and_a_half_built_one_is_never_used(
     assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == [half.name]
 
 
-def test_an_offline_build_fails_with_the_command_to_run(tmp_path, monkeypatch):
+@pytest.fixture
+def offline(tmp_path, monkeypatch):
+    """An empty compilers folder, and no index and no cache for either installer: what a machine without the
+    network sees. Yields the folder."""
     root = tmp_path / "compilers"
     monkeypatch.setenv(envs.ENV_VAR, str(root))
     for var in ("PIP_FIND_LINKS", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "UV_INDEX_URL", "UV_EXTRA_INDEX_URL"):
         monkeypatch.delenv(var, raising=False)
-    # No index and no cache for either installer: what a machine without the network sees.
     monkeypatch.setenv("UV_OFFLINE", "1")
     monkeypatch.setenv("UV_NO_CACHE", "1")
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("PIP_NO_INDEX", "1")
+    return root
+
+
+def test_a_first_build_says_what_it_fetches_how_big_and_where_before_it_starts(offline):
+    # Issue 44.8: the ~300 MB download of a compiler's own environment was announced at logging's WARNING level
+    # only. It is a TpukitWarning now, before anything is fetched (here the fetch then fails: offline).
     found = compilers.resolve("torch_xla 2.6").versions()
-    with pytest.raises(envs.CompilerEnvError) as err:
+    with pytest.warns(TpukitWarning) as seen, pytest.raises(envs.CompilerEnvError):
+        envs.python(found, "torch_xla 2.6")
+    (notice,) = [str(w.message) for w in seen if "downloading it once" in str(w.message)]
+    assert f"about {envs.DOWNLOAD_MB} MB" in notice and str(offline / envs.key(found)) in notice, notice
+    assert "torch_xla 2.6 (libtpu 0.0.7.1, jax 0.4.38)" in notice and "TPUKIT_COMPILERS" in notice, notice
+
+
+def test_an_offline_build_fails_with_the_command_to_run(offline):
+    root = offline
+    found = compilers.resolve("torch_xla 2.6").versions()
+    with pytest.raises(envs.CompilerEnvError) as err, pytest.warns(TpukitWarning, match="downloading it once"):
         envs.python(found, "torch_xla 2.6")
     text = str(err.value)
     assert "could not install the TPU compiler of torch_xla 2.6 (libtpu 0.0.7.1, jax 0.4.38)" in text, text

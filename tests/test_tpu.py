@@ -443,8 +443,8 @@ def test_what_to_do_when_it_does_not_fit(rt):
     step, x = big_step()
     est = tpukit.estimate(step, x, target="v5e-1")
     assert not est.fits
-    tips = {s.change.split(" ")[0]: s for s in est.suggestions}
-    assert set(tips) >= {"batch", "accumulate", "bf16", "FSDP"}, est.suggestions
+    tips = {s.change.split(" ")[0]: s for s in est.advice}
+    assert set(tips) >= {"batch", "accumulate", "bf16", "FSDP"}, est.advice
     smaller = tips["batch"]
     assert smaller.fits and smaller.hbm_bytes <= est.hbm_limit_bytes and int(smaller.change.split()[1]) < 1 << 19
     assert tips["FSDP"].hbm_bytes is not None and "v5e-8" in tips["FSDP"].how

@@ -148,7 +148,7 @@ def test_a_known_mlp_breakdown_is_its_parameters_gradients_and_adam_moments(mlp_
     # Parameters and optimizer state dominate: the advice is FSDP over a v5e-8 (checked by a compile: each chip
     # holds an eighth) and bf16 weights (checked too: test_bf16_advice_halves_the_state_in_a_checked_compile).
     assert advice.shares(why)["state"] >= 0.9, advice.shares(why)
-    tips = {s.change: s for s in why.advice}
+    tips = {s.change: s for s in est.advice}
     assert set(tips) == {"FSDP over 8 chips", advice.BF16}, tips
     assert tips["FSDP over 8 chips"].fits and tips["FSDP over 8 chips"].hbm_bytes < est.hbm_bytes / 3, tips
     assert "not checked" not in str(why)
@@ -157,7 +157,7 @@ def test_a_known_mlp_breakdown_is_its_parameters_gradients_and_adam_moments(mlp_
 def test_bf16_advice_halves_the_state_in_a_checked_compile(mlp_estimate):
     est, _ = mlp_estimate
     why = est.memory
-    tip = {s.change: s for s in why.advice}[advice.BF16]
+    tip = {s.change: s for s in est.advice}[advice.BF16]
     state = sum(why.by_kind()[k] for k in (memory.PARAMETERS, memory.GRADIENTS, memory.OPTIMIZER))
     # The step compiled again with the weights, their gradients, AdamW's moments (made by the step from the
     # bf16 weights) and the batch in bf16: 2 bytes a value instead of 4, so the state's 16 bytes a parameter
@@ -258,7 +258,7 @@ def test_long_sequence_attention_is_its_probabilities_from_the_line_that_made_th
 
 def test_checkpointing_advice_lowers_the_peak_in_a_checked_compile(attention_estimate):
     est = attention_estimate
-    tip = {s.change: s for s in est.memory.advice}[advice.CHECKPOINT]
+    tip = {s.change: s for s in est.advice}[advice.CHECKPOINT]
     # The step compiled again with each of the two layers under torch_xla's checkpoint: one layer's
     # probabilities fewer at the peak.
     assert tip.fits and tip.hbm_bytes is not None, tip
@@ -289,7 +289,7 @@ def test_a_language_models_logits_are_advised_a_chunked_loss_checked_by_a_compil
     est = tpukit.estimate(step, ids, target="v5e-1", memory=True)
     top = est.memory.rows()[0]
     assert top.modules == ("lm_head",) and "f32[4096,50257]" in top.shapes and top.bytes > est.hbm_bytes / 2, top
-    (tip,) = est.memory.advice
+    (tip,) = est.advice
     assert tip.change == advice.CHUNKED_LOSS and "checked as lm_head" in tip.how, tip
     assert tip.fits and tip.hbm_bytes < est.hbm_bytes / 2, (tip.hbm_bytes, est.hbm_bytes)
     # The model is as it was (its head's forward and its loss its own), and the chunked loss the check

@@ -12,6 +12,7 @@ line (:func:`line`), and a comparison's columns (:func:`cells`).
 from __future__ import annotations
 
 import html
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ FITS = "fits"  # it compiled
 TOO_BIG = "too big"  # refused for lack of HBM
 REJECTED = "does not compile"  # refused for another reason
 FAILED = "failed"  # no answer: the worker died or could not run
+_BINARY = re.compile(r"\d[KMGT]\b")  # a size as the compiler writes it: "15.75G"
 
 # Where ``TpuEstimate.hbm_bytes`` comes from.
 PEAK = "compiler peak"  # the compiler's own peak of the program (its memory statistics)
@@ -152,12 +154,13 @@ class TpuEstimate:
         if self.fits:
             rows.append(("FLOPs / bytes accessed", f"{self.flops / 1e9:.1f} GFLOP / {gb(self.bytes_accessed)}"))
             rows.append(("step at best (roofline)", f"{self.step_s_min * 1e3:.2f} ms, {self.bound}-bound"))
-        if self.message:
-            rows.append(("compiler", self.message.splitlines()[0][:160]))
+        if self.message:  # the compiler's own words: its sizes are binary ("16.00G" is 16 GiB), the kit's decimal GB
+            first = self.message.splitlines()[0][:160]
+            rows.append(("compiler (G = GiB)" if _BINARY.search(first) else "compiler", first))
         r = self.refusal
-        if r and r.reserved_bytes is not None:  # the compiler's own figures, in its own binary units
-            rows.append(("  program / arguments / reserved", f"{gib(r.program_bytes)} / {gib(r.arguments_bytes)} / "
-                                                              f"{gib(r.reserved_bytes)} (the compiler's GiB)"))
+        if r and r.reserved_bytes is not None:
+            rows.append(("  the compiler's split: program / arguments / reserved",
+                         f"{gb(r.program_bytes)} / {gb(r.arguments_bytes)} / {gb(r.reserved_bytes)}"))
         for i, text in enumerate(r.lines(gb) if r else ()):
             rows.append(("why: the largest buffers" if i == 0 else "", text))
         if self.memory is not None:
@@ -186,16 +189,6 @@ def gb(n: float | None) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{int(n)} B"
-
-
-def gib(n: float | None) -> str:
-    """Bytes in the compiler's own binary units, as its refusals write them (``16.00G`` is 16 GiB)."""
-    if n is None:
-        return "?"
-    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f}{unit}"
-    return f"{int(n)}B"
 
 
 def hbm_text(est: TpuEstimate) -> str:

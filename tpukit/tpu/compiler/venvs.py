@@ -30,11 +30,12 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ...errors import TpukitError
+from ...errors import TpukitError, TpukitWarning
 from .installed import versions as installed_versions
 
 try:
@@ -208,9 +209,11 @@ def _run(cmd: list[str]) -> tuple[int, list[str]]:
 def _build(dest: Path, found: dict[str, str], label: str) -> str:
     """Build ``dest`` for ``found`` (see the module doc); the caller holds the lock."""
     start = time.perf_counter()
-    log.warning("tpukit: building the TPU compiler environment for %s (libtpu %s, jax %s): downloading it from "
-                "the package index into %s (about %d MB, once)", label, found["libtpu"], found["jax"], dest,
-                DOWNLOAD_MB)
+    warnings.warn(f"tpukit: the TPU compiler of {label} (libtpu {found['libtpu']}, jax {found['jax']}) is not "
+                  f"installed here: downloading it once from the package index, about {DOWNLOAD_MB} MB (about "
+                  f"850 MB on disk), into its own environment {dest} (TPUKIT_COMPILERS moves it); the kernel's own "
+                  "packages do not change. This takes a minute or more.", TpukitWarning, stacklevel=2)
+    log.info("tpukit: building the TPU compiler environment for %s into %s", label, dest)
     tmp = dest.with_name(f".{dest.name}.building-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
