@@ -7,6 +7,7 @@
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -88,3 +89,22 @@ def test_kernel_versions_are_reported(kernel):
     assert reply["status"] == "ok"
     ipython, ipykernel = out.split("VERSIONS ", 1)[1].split()
     assert int(ipython.split(".")[0]) >= 7 and int(ipykernel.split(".")[0]) >= 6
+
+
+MAGICS = "%load_ext tpukit\nimport torch_xla"
+
+
+def test_explain_shows_the_users_frames_and_counts_the_kernels(kernel):
+    """Issue 44: %%xla --explain printed torch_xla's frames as they are, about 30 of ipykernel, asyncio and
+    tornado under the cell's two; now the cell's frames, then how many library frames were left out and whose."""
+    for code in (SETUP, MAGICS):
+        assert run(kernel, code)[0]["status"] == "ok"
+    reply, out = run(kernel, "%%xla --explain\nex44 = (torch.ones(7, 3, device=device) * 3).sum().item()")
+    assert reply["status"] == "ok", reply
+    cell = reply["execution_count"]
+    explained = out.split("%%xla --explain: ", 1)[1].splitlines()
+    frames = explained[explained.index("   Python Frame Triggered Execution:") + 1:]
+    assert frames[:2] == [f"     <module> (cell [{cell}] line 2)", f"     <module> (cell [{cell}] line 1)"], explained
+    hidden = re.fullmatch(r"     \((\d+) library frames left out: (.*)\)", frames[2])
+    assert hidden and int(hidden[1]) >= 10 and {"IPython", "ipykernel", "tpukit"} <= set(hidden[2].split(", ")), frames
+    assert len(frames) == 3 and "site-packages" not in out, explained

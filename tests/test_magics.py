@@ -237,7 +237,7 @@ def test_explain_prints_torch_xlas_compilation_analysis(ext, capsys):
     summary, _, explained = out.partition("%%xla --explain: ")
     assert summary.startswith("%%xla: 1 compile") and "  new graph: forced read graph at cell [" in summary
     assert explained.startswith("torch_xla's Compilation Analysis of compile 1 of 1 (graph ")
-    full_hash = re.search(r"Graph Hash: ([0-9a-f]{32})", explained).group(1)
+    full_hash = re.search(r"Graph Hash: ([0-9a-f]+)", explained).group(1)  # torch_xla drops leading zeros
     assert summary.rstrip().endswith(f"[graph {full_hash[:8]}]")  # the same compile
     for text in ("Compilation Cause", "most likely user code trying to access tensor value",
                  "Number of Graph Inputs: 0", "Number of Graph Outputs: 1", "Python Frame Triggered Execution"):

@@ -192,14 +192,15 @@ def _cell_event_lines(events: list, sync_from: compiles.Mark, number: int, delta
 
 
 def _explain(events: list, delta: Any) -> str:
-    """``--explain``: torch_xla's own "Compilation Analysis" of each compile, separator rules dropped."""
+    """``--explain``: torch_xla's own "Compilation Analysis" of each compile, separator rules dropped and its
+    frames cut to the user's (:func:`tpukit.compiles.explained`: how many library frames were left out)."""
     if not events:
         if delta.compiles and not compiles.tracing_enabled():
             return f"%%xla --explain: no Compilation Analysis to show ({_NO_TRACING})."
         return "%%xla --explain: nothing compiled in this cell."
     out = []
     for k, ev in enumerate(events, 1):
-        body = [ln for ln in ev.analysis.splitlines() if ln.strip().strip("=-")]
+        body = compiles.explained(ev.analysis, ev.frames)
         out.append(f"%%xla --explain: torch_xla's Compilation Analysis of compile {k} of {len(events)} "
                    f"(graph {ev.graph_hash[:8] or '?'}):")
         out += ["  " + ln.rstrip() for ln in body] or ["   (no analysis recorded)"]

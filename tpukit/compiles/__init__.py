@@ -19,10 +19,10 @@ from . import config
 from .classify import EXPECTED, KINDS, NEW, RECOMPILATION
 from .context import LoopContext, flush, own
 from .event import EAGER_NOTE, FLUSH_CUT, FORCED_CAUSE, PENDING, CompileEvent, Mark, describe
-from .frames import Frame
+from .frames import Frame, explained
 from .reader import Reader, reader
 
-__all__ = ["CompileEvent", "Mark", "Frame", "LoopContext", "own", "flush", "Reader", "describe", "reader", "configure", "trace_file",
+__all__ = ["CompileEvent", "Mark", "Frame", "explained", "LoopContext", "own", "flush", "Reader", "describe", "reader", "configure", "trace_file",
            "tracing_enabled", "keep_hlo", "hlo_kept", "compiling_now", "mark", "settled", "event_count", "events_since",
            "NEW", "EXPECTED", "RECOMPILATION", "KINDS", "PENDING", "EAGER_NOTE", "FORCED_CAUSE", "FLUSH_CUT"]
 

@@ -1,6 +1,7 @@
 """Python frames of a compilation, as torch_xla's compile trace writes them, and the
 parser of one "Compilation Analysis" block. Which frames are the user's and which
-are machinery (torch, torch_xla, IPython, the standard library, tpukit itself).
+are machinery (torch, torch_xla, IPython, the standard library, tpukit itself), and
+the block as a person reads it (:func:`explained`: the user's frames only).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import os
 import re
 import sysconfig
 from dataclasses import dataclass
+
+from .._text import plural
 
 _FRAME_RE = re.compile(r"^\s*(?P<func>.+?) \((?P<file>.*):(?P<line>\d+)\)\s*$")
 # Installed packages (torch, torch_xla, IPython, decorator, ...) and tpukit itself
@@ -92,3 +95,56 @@ def parse_block(lines: list[str]) -> dict:
     return out
 
 
+def owner(frame: Frame) -> str:
+    """Whose code a frame runs, in one word: the installed package (``IPython``, ``ipykernel``, ``torch_xla``),
+    ``tpukit``, the standard library's module (``asyncio``, ``runpy``), else the file's name."""
+    path = frame.package_path
+    if path:
+        return re.split(r"[\\/]", path, maxsplit=1)[0].removesuffix(".py")
+    f = frame.filename
+    if f.startswith(_LIB_ROOTS[:2]):
+        return "tpukit"
+    if f.startswith(_LIB_ROOTS[2]):
+        return re.split(r"[\\/]", f[len(_LIB_ROOTS[2]):], maxsplit=1)[0].removesuffix(".py")
+    if f.startswith("<frozen ") and f.endswith(">"):
+        return f[len("<frozen "):-1].split(".")[0]
+    for part in _MACHINERY_PARTS:
+        if part in f:
+            return part.strip(os.sep)
+    return os.path.basename(f)
+
+
+def explained(analysis: str, frames: tuple[Frame, ...] | list[Frame]) -> list[str]:
+    """torch_xla's "Compilation Analysis" block (``CompileEvent.analysis``) as a person reads it: the separator
+    rules dropped, and its Python frames cut to the user's (cells as ``<module> (cell [5] line 2)``, files as
+    torch_xla writes them), then one line with how many library frames were left out and whose (IPython's,
+    ipykernel's, asyncio's: a notebook kernel's thirty frames). ``frames``: the block's frames as parsed and
+    named (``CompileEvent.frames``). When none is the user's (torch_xla kept only library frames), the
+    innermost one outside torch, torch_xla and tpukit is shown (a line inside transformers)."""
+    out: list[str] = []
+    in_frames = listed = False
+    for line in analysis.splitlines():
+        if not line.strip().strip("=-"):
+            continue
+        if in_frames and _FRAME_RE.match(line):
+            if not listed:
+                indent = line[:len(line) - len(line.lstrip())]
+                out += [indent + text for text in _frame_lines(list(frames))]
+                listed = True
+            continue
+        in_frames = line.strip().startswith("Python Frame Triggered Execution")
+        out.append(line.rstrip())
+    return out
+
+
+def _frame_lines(frames: list[Frame]) -> list[str]:
+    """The user's frames, one line each, innermost first, then ``(27 library frames left out: ...)``."""
+    shown = [k for k, f in enumerate(frames) if not f.is_library]
+    if not shown:
+        shown = [k for k, f in enumerate(frames) if not f.is_machinery][:1]
+    lines = [f"{f.function} ({f if f.cell else f'{f.filename}:{f.line}'})" for f in (frames[k] for k in shown)]
+    hidden = [f for k, f in enumerate(frames) if k not in shown]
+    if hidden:
+        whose = list(dict.fromkeys(owner(f) for f in hidden))
+        lines.append(f"({plural(len(hidden), 'library frame')} left out: {', '.join(whose)})")
+    return lines
