@@ -49,6 +49,8 @@ class Callback:
     ``summary()``, ``verdict()``, ``warnings`` (what the start-of-training checks found).
     """
 
+    __module__ = "tpukit.hf"  # its public name
+
     def __init__(self, dashboard: bool = True, target: Any = None, guard: StepGuard | None = None,
                  warmup: int = 2):
         if guard is not None and not isinstance(guard, StepGuard):
