@@ -108,3 +108,20 @@ def test_explain_shows_the_users_frames_and_counts_the_kernels(kernel):
     hidden = re.fullmatch(r"     \((\d+) library frames left out: (.*)\)", frames[2])
     assert hidden and int(hidden[1]) >= 10 and {"IPython", "ipykernel", "tpukit"} <= set(hidden[2].split(", ")), frames
     assert len(frames) == 3 and "site-packages" not in out, explained
+
+
+def test_a_training_cell_rerun_after_its_batch_changed_names_the_shape(kernel):
+    """Issue 44: a %%xla training step (Adam) re-run after its batch was made again, with more rows, in another
+    cell: a new graph (Adam's state is an input now) whose evidence said only "+4 inputs", not the batch's shape."""
+    for code in (SETUP, MAGICS, "model44 = torch.nn.Linear(13, 3).to(device)\n"
+                                "opt44 = torch.optim.Adam(model44.parameters())\n"
+                                "x44 = torch.randn(7, 13, device=device)"):
+        assert run(kernel, code)[0]["status"] == "ok"
+    step = "%%xla\nloss44 = model44(x44).sum()\nloss44.backward()\nopt44.step()\nopt44.zero_grad()"
+    first = run(kernel, step)
+    assert run(kernel, "x44 = torch.randn(11, 13, device=device)")[0]["status"] == "ok"
+    second = run(kernel, step)
+    assert first[0]["status"] == second[0]["status"] == "ok", (first, second)
+    line = next(ln for ln in second[1].splitlines() if "(the sync %%xla adds)" in ln)
+    assert line.startswith("  new graph: ") and "is an input now: expected once" in line, line
+    assert re.search(r"input \d+ \(x44, from another cell\): f32\[7,13\] -> f32\[11,13\]", line), line

@@ -15,6 +15,8 @@ comparing the two graphs and the two batches) and a hint for *that* cause.
 
 from __future__ import annotations
 
+import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +121,26 @@ def _hint(evidence: list[str], from_batch: bool) -> str:
     return "the graph changed in a way XLA's text does not show: compare the two with %%xla --explain"
 
 
+_SHAPE = re.compile(r"^(\w+)\[([\d,]*)\]$")  # an input's type as Graph.inputs writes it: f32[8,16]
+
+
+def input_changes(old: Graph, new: Graph) -> list[str]:
+    """``input 2: f32[8,16] -> f32[12,16]`` for each input of ``new`` that is an input of ``old`` with another
+    shape (same dtype and rank) or dtype (same dims), the inputs aligned as sequences, so that the inputs a
+    graph of another structure added (an optimizer's state) or dropped are not paired with the others; the
+    phrase of :func:`~.graphs.diff` for graphs of one structure."""
+    out = []
+    matcher = difflib.SequenceMatcher(a=old.inputs, b=new.inputs, autojunk=False)
+    for op, a0, a1, b0, b1 in matcher.get_opcodes():
+        if op != "replace" or a1 - a0 != b1 - b0:
+            continue
+        for k, (a, b) in enumerate(zip(old.inputs[a0:a1], new.inputs[b0:b1])):
+            ma, mb = _SHAPE.match(a), _SHAPE.match(b)
+            if ma and mb and ((ma[1] == mb[1] and ma[2].count(",") == mb[2].count(",")) or ma[2] == mb[2]):
+                out.append(f"input {b0 + k}: {a} -> {b}")
+    return out
+
+
 def _state_became_input(seen: list, graph: Graph, inputs: Signature | None) -> bool:
     """The second graph at a place, with the same batch and more inputs than the first: tensors the first
     step created (an optimizer's state) are read by the second."""
@@ -160,7 +182,9 @@ class Classifier:
             if not same:
                 first_state = () if not _state_became_input(seen, graph, inputs) else (
                     "state the first step created (an optimizer's, e.g. Adam's moments) is an input now: expected once",)
-                return Finding(NEW, first_state + tuple(diff(seen[-1].graph, graph)) or ("a new structure",))
+                # the inputs that changed shape since the last graph here (a batch made again in another cell)
+                changed = tuple(batch_changes(seen[-1].inputs, inputs) or input_changes(seen[-1].graph, graph))
+                return Finding(NEW, first_state + changed + tuple(diff(seen[-1].graph, graph)) or ("a new structure",))
             prev = same[-1]
             from_batch = batch_changes(prev.inputs, inputs)
             evidence = from_batch or diff(prev.graph, graph)

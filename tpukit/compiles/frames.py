@@ -20,6 +20,7 @@ _HIDDEN_PARTS = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + o
                  os.sep + "torch" + os.sep, os.sep + "torch_xla" + os.sep, os.sep + "IPython" + os.sep,
                  os.sep + "ipykernel" + os.sep)
 _MACHINERY_PARTS = _HIDDEN_PARTS[2:]
+_RUN = re.compile(r"^<ipython-input-\d+-")  # IPython's cell name: <ipython-input-{execution count}-{hash of the code}>
 _SRC = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository (tpukit/compiles/..)
 _LIB_ROOTS = (os.path.join(_SRC, "tpukit") + os.sep, os.path.join(_SRC, "widgets") + os.sep,
               sysconfig.get_paths()["stdlib"] + os.sep)  # contextlib, threading, ...
@@ -57,6 +58,15 @@ class Frame:
             if not self.cell and part in self.filename:
                 return self.filename.rsplit(part, 1)[1]
         return None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """The frame as a place is keyed (its file and line), a cell's file named by its code and not by its run:
+        plain IPython (a terminal, IPython 7 without ipykernel's names) calls a cell's code
+        ``<ipython-input-5-8a9d3c0b1e2f>`` (the execution count, then a hash of the source), so the same cell run
+        again is ``<ipython-input-9-8a9d3c0b1e2f>``: the same code at the same place (ipykernel names it by the
+        hash alone)."""
+        return _RUN.sub("<ipython-input-", self.filename), self.line
 
     def __str__(self) -> str:
         if self.cell:

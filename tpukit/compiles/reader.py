@@ -311,8 +311,8 @@ class Reader:
                 continue  # its HLO file may still be on its way
             loop = self._loop.pop(i, None)
             user, read = ev.user_frames, ev.read_frame
-            place = (ev.cut,) + (tuple((f.filename, f.line) for f in (user or ev.frames)) or ("<unknown>",))
-            place += ((read.filename, read.line),) if read is not None else ()
+            place = (ev.cut,) + (tuple(f.key for f in (user or ev.frames)) or ("<unknown>",))
+            place += (read.key,) if read is not None else ()
             if loop is not None and loop.thread_key is not None:
                 place = (loop.thread_key,) + place  # a parallel replica compares with itself only
             if any(f.function == context.OWN for f in ev.frames):  # tpukit's own graph: never an alarm
