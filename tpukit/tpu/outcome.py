@@ -63,7 +63,7 @@ class Suggestion:
     def after(self) -> str:
         """What the check said: `` -> 2.01 GB, fits (checked by a compile)`` or why it was not checked."""
         if not self.checked:
-            return f" (not checked by a compile{': ' + self.unchecked if self.unchecked else ''})"
+            return f" (not checked: {self.unchecked})" if self.unchecked else " (not checked by a compile)"
         return f" -> {gb(self.hbm_bytes)}, " + ("fits" if self.fits else "still too big") + " (checked by a compile)"
 
 
