@@ -264,7 +264,7 @@ def test_callback_target_estimates_the_trainers_graphs_for_that_tpu(rt, tok, exa
     assert rows and all(r["target"] == "v5e-1" and r["answered"] for r in rows), rows
     assert all(r["fits"] and 0 < r["hbm_bytes"] < r["hbm_limit_bytes"] for r in rows), rows  # a tiny BERT
     assert max(r["step_s_min"] for r in rows) > 0
-    here = tpukit.tpu.compilers.pin()  # the compiler the installed torch_xla's runtime runs answers
+    here = tpukit.tpu.compiler.pins.pin()  # the compiler the installed torch_xla's runtime runs answers
     assert all(r["compiler"].startswith(f"libtpu {here.libtpu} ") and r["compiler_name"] == here.name
                for r in rows), rows
     assert any("the Trainer's training step" in r["graph"] for r in rows), [r["graph"] for r in rows]

@@ -392,7 +392,7 @@ def test_with_a_target_every_graph_is_compiled_for_it_in_the_background():
     assert all(r["hbm_bytes"] <= r["hbm_limit_bytes"] and r["step_s_min"] > 0 for r in rows), rows
     # Every place that shows an answer names the compiler that gave it: by default the libtpu the installed
     # torch_xla's runtime loads (torch_xla 2.8: libtpu 0.0.17; 2.9: 0.0.21.1).
-    runtime_compiler = tpukit.tpu.compilers.pin()
+    runtime_compiler = tpukit.tpu.compiler.pins.pin()
     by = f"[libtpu {runtime_compiler.libtpu}, {runtime_compiler.name}'s compiler]"
     assert all(r["compiler"].startswith(f"libtpu {runtime_compiler.libtpu} ")
                and r["compiler_name"] == runtime_compiler.name for r in rows), rows

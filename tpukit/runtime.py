@@ -28,7 +28,7 @@ from .errors import DeviceNotFoundError, TorchXlaMissingError, TpukitWarning, Ve
 DEVICE_CHOICES = ("auto", "tpu", "cpu")
 METRIC_SAMPLES_ENV, METRIC_SAMPLES = "XLA_METRICS_SAMPLES", "64"  # set it yourself to keep more
 TARGET_ENV = "TPUKIT_TARGET"  # the TPU the user means to run on, e.g. "v5e-8" (see tpukit.tpu.TARGETS)
-COMPILER_ENV = "TPUKIT_COMPILER"  # the TPU compiler that answers, e.g. "torch_xla 2.9" (see tpukit.tpu.compilers)
+COMPILER_ENV = "TPUKIT_COMPILER"  # the TPU compiler that answers, e.g. "torch_xla 2.9" (see tpukit.tpu.compiler.pins)
 RANK_ENV = "TPUKIT_REPLICA_RANK"  # set by tpukit.launch in independent replicas, by run_on_slice on each host
 GSPMD_NOTICE = "GSPMD sharding propagation is going to be deprecated"  # XLA's C++ log at each SPMD compile (2.8/2.9)
 
