@@ -115,8 +115,9 @@ def require(compiler: Compiler) -> dict[str, str]:
 
 
 # What a reply holds: 2 added the compiler's peak (``peak_bytes``). Part of the cache key, so answers kept
-# before a change are compiled again rather than read without the new figures. (3 dropped the worker's reading
-# of a refusal's figures: the kernel's side reads its text, and replies of 2 carry that text too.)
+# before a change are compiled again rather than read without the new figures. (Replies no longer carry the
+# worker's reading of a refusal's figures; the kernel's side reads the refusal's text, which replies of 2 carry
+# too, so the format stays 2.)
 _REPLY_FORMAT = 2
 # The folder of a Jupyter kernel's cells' files (ipykernel: <tmp>/ipykernel_<pid>/<hash of the cell>.py).
 _KERNEL_FOLDER = re.compile(rb"ipykernel_[0-9]+")
