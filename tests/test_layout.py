@@ -34,7 +34,7 @@ LAYERS = {
     "errors": 0, "_version": 0, "cache": 0, "_xla": 0, "_tree": 0, "_hlo_text": 0, "_text": 0, "_ipython": 0, "_stderr": 0, "environment": 0, "samples": 0,
     "metrics": 1, "events": 1, "buckets": 1, "verdict": 1, "runtime_record": 1,
     "compiles": 2, "tpu.compiler": 2,  # tpu.compiler: running a TPU compiler, the worker's side (no torch)
-    "runtime": 3, "steps": 3, "eager": 3,
+    "runtime": 3, "steps": 3, "eager": 3, "rewrites": 3,
     "tpu": 4,  # the TPU room's side in this process: traces steps, asks the compiler; reads the runtime's defaults
     "spmd": 4, "data": 4, "guards": 4, "parallel": 4,  # parallel: launch, the slice runner, what they share
     "track": 5, "checkpoint": 5, "profile": 5,  # profile may not exist yet

@@ -24,8 +24,9 @@ pytestmark = pytest.mark.timeout(900)
 import torch  # noqa: E402
 
 import tpukit  # noqa: E402
-from tpukit import _xla  # noqa: E402
+from tpukit import _xla, rewrites  # noqa: E402
 from tpukit.tpu import advice, dump, memory  # noqa: E402
+from tpukit.tpu.trace import _owners  # noqa: E402
 from estimate_steps import train_step  # noqa: E402
 
 BATCH, SEQ, DIM, HEADS = 4, 2048, 128, 8
@@ -187,9 +188,9 @@ def test_bf16_check_casts_the_state_and_puts_every_tensor_back(rt):
     grads = [p.grad for p in params]
     mods, opts, _ = tpukit.tpu.trace._owners(step, (x,), {})
     assert mods == [model] and opts == [opt]
-    (x16,), _ = advice._batch_in_bf16((x,), {})
+    (x16,), _ = rewrites.batch_in_bf16((x,), {})
     assert x16.dtype == torch.bfloat16 and x.dtype == torch.float32
-    with advice.in_bf16(mods, opts) as cast:
+    with rewrites.in_bf16(mods, opts) as cast:
         assert cast == 4 * 4  # 4 parameters, their gradients, exp_avg and exp_avg_sq of each
         assert all(p.dtype == p.grad.dtype == torch.bfloat16 and p.requires_grad for p in params)
         assert {(k, v.dtype) for s in opt.state.values() for k, v in s.items()} == {
@@ -197,7 +198,7 @@ def test_bf16_check_casts_the_state_and_puts_every_tensor_back(rt):
         traced = tpukit.tpu.trace.trace(step, (x16,), {})
         assert traced.trains and len(traced.aliases) >= 12  # the bf16 state is device data, donated
     with pytest.raises(RuntimeError, match="inside"):
-        with advice.in_bf16(mods, opts):
+        with rewrites.in_bf16(mods, opts):
             raise RuntimeError("inside")
     assert list(model.parameters()) == params and opt.param_groups[0]["params"] == params
     assert all(p.grad is g and p.requires_grad for p, g in zip(params, grads))
@@ -300,7 +301,7 @@ def test_a_language_models_logits_are_advised_a_chunked_loss_checked_by_a_compil
     model.eval()  # no dropout: the two forwards compute the same thing
     with torch.no_grad():
         want = model(input_ids=small, labels=small).loss.cpu()
-        with advice.chunked_loss(advice.heads(step, (ids,), {})):
+        with rewrites.chunked_loss(rewrites.heads(_owners(step, (ids,), {})[0])):
             got = model(input_ids=small, labels=small).loss.cpu()
     assert torch.allclose(got, want, rtol=1e-5), (got, want)
     # Refused at 256 x 512 tokens, libtpu 0.0.17 names one allocation, the logits, by shape and HLO label only
@@ -309,7 +310,7 @@ def test_a_language_models_logits_are_advised_a_chunked_loss_checked_by_a_compil
     # 6.08 GB: docs/estimates.md; not compiled here).
     refused = memory.Buffer(26352812032, memory.TEMPORARIES, "fusion.324", "f32[131072,50257]")
     why = memory.MemoryBreakdown(26352812032, (refused,), memory.REFUSAL)
-    assert advice.shares(why)["logits"] == 0 and advice.shares(why, advice.heads(step, (ids,), {}))["logits"] == 1
+    assert advice.shares(why)["logits"] == 0 and advice.shares(why, rewrites.heads(_owners(step, (ids,), {})[0]))["logits"] == 1
     (tip,) = advice.advise(why, step, (ids,), {}, None, tpu.target("v5e-1"), check=False)
     assert tip.change == advice.CHUNKED_LOSS and tip.hbm_bytes is None, tip
     # A model whose forward makes its own CrossEntropyLoss (transformers' BERT masked LM) is not changed by the
@@ -318,19 +319,19 @@ def test_a_language_models_logits_are_advised_a_chunked_loss_checked_by_a_compil
 
     bert = BertForMaskedLM(BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
                                       intermediate_size=64))
-    assert advice.heads(lambda ids: bert(input_ids=ids, labels=ids).loss, (), {}) == []
+    assert rewrites.heads([bert]) == []
 
 
 def test_the_layers_to_checkpoint_are_the_repeated_blocks(rt):
     step = attention_step()
-    path, found = advice.layers(step, (), {})
+    path, found = rewrites.layers(_owners(step, (), {})[0])
     assert path == "layers" and len(found) == 2 and all(isinstance(m, Attention) for m in found)
     model = found[0]
-    with advice.checkpointed(found):
+    with rewrites.checkpointed(found):
         assert "forward" in vars(model)
     assert "forward" not in vars(model)  # put back
-    mlp, _, _ = mlp_step(64, 64)
-    assert advice.layers(mlp, (), {}) == ("", [])  # Linear, ReLU, Linear: no repeated block
+    _, mlp, _ = mlp_step(64, 64)
+    assert rewrites.layers([mlp]) == ("", [])  # Linear, ReLU, Linear: no repeated block
 
 
 def test_a_refused_step_is_explained_by_the_refusals_own_list(rt):

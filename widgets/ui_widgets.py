@@ -58,7 +58,17 @@ class WidgetsFrontEnd(FrontEnd):
         # Drawing text with matplotlib releases the GIL per glyph, so while the
         # training thread runs Python a full redraw of the plot's frame can take a
         # second of wall time (not of the training thread's time). It runs here, so
-        # the now line and the counters never wait for it.
+        # the now line and the counters never wait for it. matplotlib is imported and the figure made before
+        # the first step (seconds on a busy host), so the first plot follows the first steps.
+        try:
+            with self._plot_lock:
+                if self._plot is None:
+                    from .plot import TimelinePlot
+
+                    self._plot = TimelinePlot()
+        except Exception as exc:
+            self._fail(exc, "plot")
+            return
         while not self._stop.is_set():
             if not self._plot_wanted.wait(0.5):
                 continue

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import TpukitError
-from . import cache, venvs
+from . import cache, pins, venvs
 from .cache import cache_dir
 from .flags import compile_flags
 from .pins import Compiler
@@ -132,11 +132,15 @@ class Request:
     num_partitions: int = 1
     aliases: tuple[tuple[int, int], ...] = ()
     shard_over: int = 1  # impose an FSDP layout over this many chips (1: the module's own shardings)
-    compiler: Compiler | None = None  # the compiler to answer (resolved by the caller; None: the one installed here)
+    compiler: Compiler | None = None  # the compiler to answer (resolved by the caller; None: the runtime's own)
+
+    def __post_init__(self):
+        if not isinstance(self.compiler, Compiler):
+            object.__setattr__(self, "compiler", pins.resolve(self.compiler))
 
     def versions(self) -> dict[str, str]:
-        """The jax, jaxlib and libtpu that answer: the compiler's (without one, those installed here)."""
-        return self.compiler.versions() if self.compiler is not None else versions()
+        """The jax, jaxlib and libtpu that answer (the compiler's)."""
+        return self.compiler.versions()
 
     def key(self) -> str:
         """The cache key: the graph (its ops' files without a kernel's process id: the same notebook cell
