@@ -61,8 +61,8 @@ def test_one_estimate_with_memory_and_one_search_resolve_target_and_compiler_onc
     model = mlp(64, 256)
     step = train_step(model, torch.optim.AdamW(model.parameters()))
     est = tpukit.estimate(step, torch.randn(16, 64, device=_xla.device()), target="v5e-1",
-                          compiler="torch_xla 2.8", memory=True)
-    assert est.fits and est.memory is not None and est.compiler_name == "torch_xla 2.8", est
+                          compiler="torch_xla 2.8", memory=True, suggest="always")
+    assert est.fits and est.memory is not None and est.compiler_name == "torch_xla 2.8" and est.advice, est
     assert resolutions == {"target": 1, "compiler": 1, "edge": 1}, resolutions  # advice compiled too: no more
     for k in resolutions:
         resolutions[k] = 0

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 import tpukit  # noqa: E402
 from tpukit import _xla, rewrites  # noqa: E402
 from tpukit.tpu import advice, dump, memory  # noqa: E402
+from tpukit.tpu.estimate import near_limit  # noqa: E402
 from tpukit.tpu.trace import _owners  # noqa: E402
 from estimate_steps import train_step  # noqa: E402
 
@@ -107,7 +108,7 @@ def mlp_estimate(rt):
     before = [p.detach().cpu().clone() for p in params]
     x = batch(8, 1024)
     seed = _xla.rng_seed()
-    est = tpukit.estimate(step, x, target="v5e-1", memory=True)
+    est = tpukit.estimate(step, x, target="v5e-1", memory=True, suggest="always")  # advice at 1 % of the chip
     # After the estimate and its advice (the bf16 check traced the step with the state cast): the model as it
     # was, the same Parameter objects in the model and the optimizer, fp32, device data, the same bits.
     assert list(model.parameters()) == params and all(
@@ -122,7 +123,7 @@ def mlp_estimate(rt):
 @pytest.fixture(scope="module")
 def attention_estimate(rt):
     return tpukit.estimate(attention_step(), batch(BATCH, SEQ, DIM), target="v5e-1",
-                           memory=True)
+                           memory=True, suggest="always")  # at 10 % of the chip: advice asked for
 
 
 def test_a_known_mlp_breakdown_is_its_parameters_gradients_and_adam_moments(mlp_estimate):
@@ -153,6 +154,17 @@ def test_a_known_mlp_breakdown_is_its_parameters_gradients_and_adam_moments(mlp_
     assert set(tips) == {"FSDP over 8 chips", advice.BF16}, tips
     assert tips["FSDP over 8 chips"].fits and tips["FSDP over 8 chips"].hbm_bytes < est.hbm_bytes / 3, tips
     assert "not checked" not in str(est)
+
+
+def test_a_step_far_from_the_limit_gets_its_breakdown_and_no_advice(mlp_estimate):
+    # The same step as mlp_estimate's, at 1 % of a v5e's HBM (its answer is cached): the breakdown, no advice
+    # (FSDP over 8 chips and bf16 weights would save what nobody needs); a refused step always gets it.
+    asked, _ = mlp_estimate
+    step, _, _ = mlp_step()
+    est = tpukit.estimate(step, batch(8, 1024), target="v5e-1", memory=True)
+    assert est.fits and est.hbm_bytes < 0.02 * est.hbm_limit_bytes and not near_limit(est), est
+    assert est.memory is not None and est.advice == () and asked.advice, (est.advice, asked.advice)
+    assert est.memory.by_kind() == asked.memory.by_kind()
 
 
 def test_bf16_advice_halves_the_state_in_a_checked_compile(mlp_estimate):
@@ -287,7 +299,7 @@ def test_a_language_models_logits_are_advised_a_chunked_loss_checked_by_a_compil
         return loss
 
     ids = torch.randint(0, 50257, (8, 512)).to(_xla.device())
-    est = tpukit.estimate(step, ids, target="v5e-1", memory=True)
+    est = tpukit.estimate(step, ids, target="v5e-1", memory=True, suggest="always")
     top = est.memory.rows()[0]
     assert top.modules == ("lm_head",) and "f32[4096,50257]" in top.shapes and top.bytes > est.hbm_bytes / 2, top
     (tip,) = est.advice

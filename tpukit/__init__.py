@@ -46,9 +46,10 @@ from . import samples  # noqa: F401 (tpukit.samples.sentiment_sample(): the tuto
 from . import eager  # noqa: F401 (follows torch_xla's eager mode to name its per-op compiles)
 from .parallel import hosts  # noqa: F401 (tpukit.hosts.current(), process_group(): asked on a slice's hosts)
 
-# The one arrow from the core to the UI, drawn here where everything is imported: what
-# tpukit.dashboard() and track(dashboard=True) open (the core cannot import widgets).
-events.set_dashboard_factory(widgets.open_view)
+# The arrows from the core to the UI, drawn here where everything is imported: what tpukit.dashboard() and
+# track(dashboard=True) open, and the view of long TPU work (the core cannot import widgets).
+events.set_ui_factory("dashboard", widgets.open_view)
+events.set_ui_factory("progress", widgets.ProgressView)
 
 # The optional parts, reachable as tpukit.<name> after `import tpukit` (module __getattr__ below).
 # widgets and tpu are imported above already (they load no UI library and no jax); hf on first use.

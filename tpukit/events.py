@@ -10,7 +10,9 @@ thing happens:
 - ``on_track_start(tracker)`` / ``on_track_end(tracker)``: a tracked loop;
 - ``on_tpu_pending(event)``: a compile's graph was sent to the target's TPU compiler (the follower);
 - ``on_tpu_estimate(event, estimate)``: what the TPU compiler says about a compile
-  event's graph on the target TPU (``tpukit.setup(target=...)``), once per event.
+  event's graph on the target TPU (``tpukit.setup(target=...)``), once per event;
+- ``on_tpu_progress(progress)``: a :class:`~tpukit.tpu.progress.TpuProgress` while an estimate, a
+  search or a table runs: what it compiles, for how long, what is done (every second while it compiles).
 
 A tracked loop reads the values logged in its steps several steps at once, so its
 step records reach listeners in small bursts, up to about a second late. A listener
@@ -33,12 +35,14 @@ from typing import Any, Callable
 
 from .errors import TpukitError, TpukitWarning
 
-HOOKS = ("on_step", "on_compile", "on_track_start", "on_track_end", "on_tpu_pending", "on_tpu_estimate")
+HOOKS = ("on_step", "on_compile", "on_track_start", "on_track_end", "on_tpu_pending", "on_tpu_estimate",
+         "on_tpu_progress")
 
 _LOCK = threading.RLock()
 _LISTENERS: list[Any] = []
-# Builds a live dashboard: tpukit/__init__.py sets it to tpukit.widgets.open_view (the core cannot import the UI).
-_DASHBOARD_FACTORY: list[Callable[..., Any]] = []
+# Builds each kind of view ("dashboard", "progress"): tpukit/__init__.py sets them from tpukit.widgets (the core
+# cannot import the UI).
+_UI_FACTORIES: dict[str, Callable[..., Any]] = {}
 
 
 def add_listener(listener: Any) -> Any:
@@ -108,23 +112,29 @@ def _name(listener: Any) -> str:
     return repr(listener)
 
 
-def set_dashboard_factory(factory: Callable[..., Any]) -> None:
-    """Register how to build a live dashboard (``tpukit/__init__.py`` registers ``tpukit.widgets.open_view``)."""
+def set_ui_factory(kind: str, factory: Callable[..., Any]) -> None:
+    """Register how to build a view of ``kind``: ``"dashboard"`` (``tpukit.widgets.open_view``) or
+    ``"progress"`` (``tpukit.widgets.progress.ProgressView``); ``tpukit/__init__.py`` registers both."""
     with _LOCK:
-        _DASHBOARD_FACTORY[:] = [factory]
+        _UI_FACTORIES[kind] = factory
 
 
-def open_dashboard(**options: Any) -> Any:
-    """Build and return a live dashboard with the registered UI factory."""
+def open_ui(kind: str, **options: Any) -> Any:
+    """Build and return a view of ``kind`` with the registered UI factory."""
     with _LOCK:
-        factory = _DASHBOARD_FACTORY[0] if _DASHBOARD_FACTORY else None
+        factory = _UI_FACTORIES.get(kind)
     if factory is None:
-        raise TpukitError("no dashboard UI is available: tpukit.widgets was not imported. "
+        raise TpukitError(f"no {kind} UI is available: tpukit.widgets was not imported. "
                           "Import tpukit (not only a submodule) or reinstall tpukit.")
     return factory(**options)
 
 
+def open_dashboard(**options: Any) -> Any:
+    """Build and return a live dashboard with the registered UI factory."""
+    return open_ui("dashboard", **options)
+
+
 def _reset() -> None:
-    """Forget every listener (for tests); the dashboard factory stays."""
+    """Forget every listener (for tests); the UI factories stay."""
     with _LOCK:
         _LISTENERS.clear()

@@ -12,7 +12,8 @@ report at loop end, failures), ``frontend`` (which context, which front end),
 front ends), ``live`` (the ipywidgets view), ``model`` (thread-safe state fed by
 listener calls), ``view`` (the frozen records renderers draw), ``render`` (HTML/text),
 ``plot`` (PNG timeline), ``report`` (the static report, which replaces the live view
-when a tracked loop ends), ``slice`` (the per-host view of a ``tpukit.run_on_slice`` run).
+when a tracked loop ends), ``slice`` (the per-host view of a ``tpukit.run_on_slice`` run),
+``progress`` (the view of long TPU work: an estimate, a batch search).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 from .dashboard import Dashboard
 from .frontend import choose_frontend, detect_context
 from .model import DashboardState
+from .progress import ProgressView
 from .report import Report
 from .slice import SliceState, SliceSummary, SliceView
 from .view import View
@@ -33,5 +35,5 @@ def open_view(hosts: int | None = None, **options: Any) -> Dashboard | SliceView
     return SliceView(hosts, **options) if hosts is not None else Dashboard(**options)
 
 
-__all__ = ["Dashboard", "Report", "DashboardState", "View", "SliceView", "SliceState", "SliceSummary",
+__all__ = ["Dashboard", "ProgressView", "Report", "DashboardState", "View", "SliceView", "SliceState", "SliceSummary",
            "open_view", "choose_frontend", "detect_context"]

@@ -34,9 +34,10 @@ _WHERE = {
     "RUNTIMES": "compiler", "Compiler": "compiler", "CompilerError": "compiler", "Refusal": "compiler",
     "available": "compiler", "versions": "compiler", "cache_dir": "compiler", "cache_info": "compiler",
     "TpuCompilerMissingError": "compiler", "WorkerError": "compiler", "CompilerEnvError": "compiler",
+    "BudgetSpent": "compiler", "TpuProgress": "progress",
 }
 __all__ = list(_WHERE)
-_MODULES = ("trace", "outcome", "dump", "memory", "ask", "search", "advice", "estimate", "compare", "recorded",
+_MODULES = ("trace", "outcome", "progress", "dump", "memory", "ask", "search", "advice", "estimate", "compare", "recorded",
             "followers", "tools")
 
 

@@ -35,21 +35,23 @@ from ..rewrites import batch_in_bf16, batch_rows, checkpointed, chunked_loss, fi
 from .ask import ask
 from .compiler.pins import Compiler
 from .compiler.targets import TARGETS, Target
+from .compiler.worker import BudgetSpent
 from .memory import MemoryBreakdown, attention_like
 from .outcome import REJECTED, Suggestion, TpuEstimate, gb
 from .search import search
-from .trace import ACTIVATIONS, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Traced, _owners, trace
+from .trace import ACTIVATIONS, FROZEN, GRADIENTS, OPTIMIZER, PARAMETERS, TEMPORARIES, Traced, _owners, trace
 
 CHECKPOINT = "checkpoint each layer"
 BF16 = "bf16 weights"
 CHUNKED_LOSS = "chunked loss"
+OUT_OF_TIME = "the time budget ran out before it was checked"
 _LOGITS = re.compile(r"log_softmax|cross_entropy|nll_loss")
 DOMINANT = 0.3  # a part of the peak this large is what the advice is about
 
 
 def shares(why: MemoryBreakdown, found: list[tuple[Any, str, Any]] = ()) -> dict[str, float]:
     """The parts of the peak the advice weighs: ``activations``, ``attention`` (activations shaped as scores,
-    ``[..., L, L]``), ``state`` (parameters, gradients, optimizer state), ``logits`` (a loss's log-softmax, or,
+    ``[..., L, L]``), ``state`` (parameters, frozen weights, gradients, optimizer state), ``logits`` (a loss's log-softmax, or,
     for the models ``found`` by :func:`heads`, what their output embeddings made or a buffer as wide as
     their vocabulary: a refusal names no module), and ``layers`` (the activations that are not logits: what
     checkpointing the layers can free)."""
@@ -65,7 +67,7 @@ def shares(why: MemoryBreakdown, found: list[tuple[Any, str, Any]] = ()) -> dict
     acts = [b for b in why.buffers if b.kind == ACTIVATIONS]
     return {"activations": sum(b.bytes for b in acts) / whole,
             "attention": sum(b.bytes for b in acts if attention_like(b)) / whole,
-            "state": sum(b.bytes for b in why.buffers if b.kind in (PARAMETERS, GRADIENTS, OPTIMIZER)) / whole,
+            "state": sum(b.bytes for b in why.buffers if b.kind in (FROZEN, PARAMETERS, GRADIENTS, OPTIMIZER)) / whole,
             "logits": sum(b.bytes for b in why.buffers if b.kind in (ACTIVATIONS, TEMPORARIES) and logits(b)) / whole,
             "layers": sum(b.bytes for b in acts if not logits(b)) / whole}
 
@@ -87,7 +89,10 @@ def _bf16_checked(step: Callable, args: tuple, kwargs: dict, traced: Traced, tgt
             cast = trace(step, a16, kw16)
     except Exception as exc:  # the step may not run in bf16 as written (an fp32 tensor it makes itself)
         return None, None, f"tracing the step in bf16 raised {type(exc).__name__}: {_gist(exc)}"
-    est = ask(cast, tgt, compiler, name)
+    try:
+        est = ask(cast, tgt, compiler, name, what=BF16)
+    except BudgetSpent:
+        return None, None, OUT_OF_TIME
     if est.status == REJECTED:  # torch_xla traces an fp32 x bf16 matmul without complaint; the compiler not
         return None, None, (f"the TPU compiler rejected the step in bf16 ({_gist(est.message)}; a floating tensor "
                             "the step reads other than its arguments stays fp32 in the check)")
@@ -103,9 +108,15 @@ def _gist(exc: Exception | str) -> str:
     return lines[0][:200] if lines else (type(exc).__name__ if isinstance(exc, Exception) else "")
 
 
-def _checked(traced: Traced, tgt: Target, name: str, compiler: Compiler, shard_over: int = 1) -> tuple[int, bool]:
-    est = ask(traced, tgt, compiler, name, shard_over)
-    return est.hbm_bytes, est.fits
+def _checked(traced: Traced, tgt: Target, name: str, compiler: Compiler, what: str, shard_over: int = 1
+             ) -> tuple[int | None, bool | None, str | None]:
+    """(HBM, fits, None) of ``traced`` compiled as the change ``what``; (None, None, why) when the time budget
+    ran out first."""
+    try:
+        est = ask(traced, tgt, compiler, name, shard_over, what=what)
+    except BudgetSpent:
+        return None, None, OUT_OF_TIME
+    return est.hbm_bytes, est.fits, None
 
 
 def wide_target(tgt: Target) -> Target:
@@ -120,10 +131,10 @@ def _fsdp(traced: Traced, tgt: Target, name: str, compiler: Compiler, how: str, 
     wide = wide_target(tgt)
     if wide.chips < 2 or traced.num_partitions != 1:
         return None
-    hbm = fits = None
+    change, hbm, fits, why_not = f"FSDP over {wide.chips} chips", None, None, None
     if check:
-        hbm, fits = _checked(traced, wide, name, compiler, wide.chips)
-    return Suggestion(f"FSDP over {wide.chips} chips", how.format(wide=wide), hbm, fits)
+        hbm, fits, why_not = _checked(traced, wide, name, compiler, change, wide.chips)
+    return Suggestion(change, how.format(wide=wide), hbm, fits, unchecked=why_not)
 
 
 def suggest(est: TpuEstimate, step: Callable, args: tuple, kwargs: dict, traced: Traced, tgt: Target,
@@ -134,10 +145,15 @@ def suggest(est: TpuEstimate, step: Callable, args: tuple, kwargs: dict, traced:
 
     out: list[Suggestion] = []
     rows = batch_rows(args, kwargs)
+    fit = None
     if rows and rows > 1:
-        fit = search(lambda b: trace(step, first_rows(args, b), first_rows(kwargs, b)), tgt, comp, name,
-                     below=rows, steps=2)
-        if fit.batch:
+        try:
+            fit = search(lambda b: trace(step, first_rows(args, b), first_rows(kwargs, b)), tgt, comp, name,
+                         below=rows, steps=2)
+        except BudgetSpent:  # not one smaller batch was answered in time
+            out.append(Suggestion("smaller batch", "the largest batch that fits: tpukit.largest_batch finds it",
+                                  unchecked=OUT_OF_TIME))
+        if fit is not None and fit.batch:
             b, at_b = fit.batch, fit.estimate
             out.append(Suggestion(f"batch {b}", f"the largest batch that fits (of {rows})", at_b.hbm_bytes, True,
                                   batch=b))
@@ -150,11 +166,14 @@ def suggest(est: TpuEstimate, step: Callable, args: tuple, kwargs: dict, traced:
                                   at_b.hbm_bytes, True, batch=micro))
     try:
         with torch.autocast("xla", dtype=torch.bfloat16):
-            bf = ask(trace(step, args, kwargs), tgt, comp, name)
+            bf = ask(trace(step, args, kwargs), tgt, comp, name, what="bf16 autocast")
         out.append(Suggestion("bf16 autocast", "torch.autocast('xla', dtype=torch.bfloat16) around the forward "
                               "(checked as that; model.to(torch.bfloat16) halves the weights too, not checked)",
                               bf.hbm_bytes if bf.status != REJECTED else None, bf.fits if bf.status != REJECTED
                               else None, unchecked=None if bf.status != REJECTED else _gist(bf.message)))
+    except BudgetSpent:
+        out.append(Suggestion("bf16 autocast", "torch.autocast('xla', dtype=torch.bfloat16) around the forward",
+                              unchecked=OUT_OF_TIME))
     except Exception as exc:  # autocast may not apply to this step: say so rather than fail the estimate
         out.append(Suggestion("bf16 autocast", f"could not be estimated ({type(exc).__name__})",
                               unchecked=_gist(exc)))
@@ -169,7 +188,11 @@ def smaller_batch_breakdown(est: TpuEstimate, tips: tuple[Suggestion, ...], step
     b = next((s.batch for s in tips if s.change.startswith("batch ") and s.fits), None)
     if b is None:
         return None
-    smaller = ask(trace(step, first_rows(args, b), first_rows(kwargs, b)), tgt, comp, name, dump=True)
+    try:
+        smaller = ask(trace(step, first_rows(args, b), first_rows(kwargs, b)), tgt, comp, name, dump=True,
+                      what=f"batch {b}'s breakdown")
+    except BudgetSpent:
+        return None
     if smaller.memory is None or not smaller.fits:
         return None
     return replace(smaller.memory, source=f"compiler dump of batch {b}, the largest that fits",
@@ -196,11 +219,11 @@ def advise(why: MemoryBreakdown, step: Callable, args: tuple, kwargs: dict, trac
                "preserve_rng_state=False) (x must require grad; torch_xla's checkpoint re-applies autocast in "
                "the backward; torch.utils.checkpoint raises on XLA tensors in torch 2.8 and 2.9)")
         hbm = fits = None
+        why_not = None if found else "no repeated layers were found to check it with"
         if check and found:
             with checkpointed(found):
-                hbm, fits = _checked(trace(step, args, kwargs), tgt, name, compiler)
-        out.append(Suggestion(CHECKPOINT, how, hbm, fits,
-                              unchecked=None if found else "no repeated layers were found to check it with"))
+                hbm, fits, why_not = _checked(trace(step, args, kwargs), tgt, name, compiler, CHECKPOINT)
+        out.append(Suggestion(CHECKPOINT, how, hbm, fits, unchecked=why_not))
     elif top == "state" and part["state"] >= DOMINANT:
         fsdp = _fsdp(traced, tgt, name, compiler, f"parameters, gradients and optimizer state are {part['state']:.0%} "
                      "of the peak: tpukit.fsdp(model, tpukit.mesh()) on {wide.name} splits them over its chips", check)
@@ -229,7 +252,7 @@ def advise(why: MemoryBreakdown, step: Callable, args: tuple, kwargs: dict, trac
                 why_not = f"tracing the step with a chunked loss raised {type(exc).__name__}: {_gist(exc)}"
             else:
                 how += f" (checked as {', '.join(path for _, path, _ in lm_heads)} and the model's loss in 8 slices)"
-                hbm, fits = _checked(chunked, tgt, name, compiler)
+                hbm, fits, why_not = _checked(chunked, tgt, name, compiler, CHUNKED_LOSS)
         out.append(Suggestion(CHUNKED_LOSS, how, hbm, fits, unchecked=why_not))
     else:
         out.append(Suggestion("smaller batch", "neither the layers' activations, the logits nor the model's state "

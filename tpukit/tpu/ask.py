@@ -21,12 +21,12 @@ from typing import Callable
 
 from .. import runtime
 from ..errors import TpukitWarning
-from . import dump as _dump, memory as _memory
+from . import dump as _dump, memory as _memory, progress as _progress
 from .compiler import cache, pins, worker
 from .compiler.pins import Compiler, describe, mismatch
 from .compiler.refusal import is_memory_refusal, parse
 from .compiler.targets import TARGETS, Target, TargetError
-from .outcome import FIRST_STEP, FITS, NEED, PEAK, REJECTED, SUM, TOO_BIG, UNKNOWN, TpuEstimate
+from .outcome import FIRST_STEP, FITS, NEED, PEAK, REJECTED, SUM, TOO_BIG, UNKNOWN, TpuEstimate, hbm_text
 from .trace import Traced, retie
 
 
@@ -49,27 +49,37 @@ def graph(hlo: bytes, num_partitions: int = 1) -> Traced:
 
 
 def ask(traced: Traced, tgt: Target, comp: Compiler, name: str = "step", shard_over: int = 1,
-        dump: bool = False) -> TpuEstimate:
+        dump: bool = False, what: str = "") -> TpuEstimate:
     """Compile ``traced`` for ``tgt`` with ``comp`` (an FSDP layout over ``shard_over`` chips; 1: its own
     shardings) and return the outcome: fits, too big (with the refusal's breakdown), or rejected (the
     compiler's message). ``dump``: with the compiler's dump, the fitting step's ``memory`` breakdown by kind
-    and source line (kept with its answer). Raises only when no compiler can answer (the worker died, the
-    compiler is missing)."""
+    and source line (kept with its answer). Inside a public call's job (:mod:`.progress`) the compile is
+    reported as ``what`` (default: the step's name) and bounded by the job's budget
+    (:class:`~.compiler.worker.BudgetSpent`). Raises only when no compiler can answer (the worker died, the
+    compiler is missing) or the budget ran out."""
     parts = traced.num_partitions
     if parts > 1 and parts != tgt.chips:
         raise ValueError(f"the step is partitioned over {parts} devices (SPMD) but {tgt.name} has {tgt.chips} "
                          f"chips: build the mesh over {tgt.chips} devices, or pick a {parts}-chip target.")
     request = worker.Request(traced.hlo, tgt, parts, traced.aliases, shard_over, comp)
+    job, what = _progress.current(), what or name
+    if job is not None:
+        job.check(what)
+        job.compiling(what)
+    deadline = job.deadline if job is not None else None
     if not dump:
-        return outcome(worker.compile(request), tgt, name, traced)
-    reply, found = _dumped(request)
-    est = outcome(reply, tgt, name, traced)
-    if est.fits and found is not None:
-        return replace(est, memory=replace(_memory.from_dump(found, traced, reply), peak_bytes=est.hbm_bytes))
+        est = outcome(worker.compile(request, deadline), tgt, name, traced)
+    else:
+        reply, found = _dumped(request, deadline)
+        est = outcome(reply, tgt, name, traced)
+        if est.fits and found is not None:
+            est = replace(est, memory=replace(_memory.from_dump(found, traced, reply), peak_bytes=est.hbm_bytes))
+    if job is not None:
+        job.answered(what, f"{est.status}, {hbm_text(est)}" if est.status != REJECTED else est.status)
     return est
 
 
-def _dumped(request: worker.Request) -> tuple[dict, "_dump.Dump | None"]:
+def _dumped(request: worker.Request, deadline: float | None = None) -> tuple[dict, "_dump.Dump | None"]:
     """The compiler's reply for ``request`` compiled with a dump, and the dump read (None when it wrote none),
     kept beside the plain answers by the same key."""
     key = request.key()
@@ -81,7 +91,7 @@ def _dumped(request: worker.Request) -> tuple[dict, "_dump.Dump | None"]:
         except (KeyError, TypeError, ValueError):
             pass
     with tempfile.TemporaryDirectory(prefix="tpukit-dump-") as folder:
-        reply = worker.compile_dump(request, folder)
+        reply = worker.compile_dump(request, folder, deadline)
         try:
             found = _dump.read(folder)
         except FileNotFoundError:

@@ -11,12 +11,14 @@ compiler's worker (:mod:`.worker`), in its own environment (:mod:`.envs`).
 
 from __future__ import annotations
 
+import contextvars
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 from .._text import table_html, table_text
+from . import progress as _progress
 from .ask import ask, begin, check, fsdp_chips, resolve
 from .compiler import worker
 from .compiler.pins import Compiler, role
@@ -96,7 +98,7 @@ def _escape(text: str) -> str:
 def compare(step: Callable, *args: Any, targets: Iterable[str | Target | None] = (None,),
             compilers: Iterable[str | Compiler | None] = (None,),
             pairs: Iterable[tuple[str | Target | None, str | Compiler | None]] | None = None,
-            fsdp: bool = False, **kwargs: Any) -> Comparison:
+            fsdp: bool = False, progress: bool = True, **kwargs: Any) -> Comparison:
     """``step(*args, **kwargs)`` traced once and compiled for every target in ``targets`` by every compiler
     in ``compilers`` (or for each ``(target, compiler)`` of ``pairs``); one :class:`Comparison` table.
 
@@ -106,7 +108,8 @@ def compare(step: Callable, *args: Any, targets: Iterable[str | Target | None] =
     environment, built on first use. A compiler that refuses the step (for memory, or any other reason) is
     a row that says so; ``fsdp=True`` as for :func:`tpukit.estimate`. Nothing of the step is run or kept.
     Each compiler has its own worker process: the compilers work at the same time (one thread each, as many
-    at once as this machine has cores), each compiling its targets in turn.
+    at once as this machine has cores), each compiling its targets in turn. ``progress``: show what is
+    compiling and what is done while it runs (:mod:`.progress`).
     """
     asked = list(pairs) if pairs is not None else [(t, c) for t in targets for c in compilers]
     if not asked:
@@ -115,11 +118,19 @@ def compare(step: Callable, *args: Any, targets: Iterable[str | Target | None] =
     for comp in dict.fromkeys(c for _, c in resolved):
         worker.require(comp)
     name = begin(step, args, kwargs, resolved[0][1], "tpukit.compare")
+    with _progress.job(f"tpukit.compare({name})", None, progress):
+        return _compare(step, args, kwargs, name, resolved, fsdp)
+
+
+def _compare(step: Callable, args: tuple, kwargs: dict, name: str, resolved: list[tuple[Target, Compiler]],
+             fsdp: bool) -> Comparison:
+    """:func:`compare`'s work, inside its job: one trace, each compiler's pairs on a thread of its own."""
     traced = trace(step, args, kwargs)
     note = check(traced, name, "tpukit.compare")
 
     def one(tgt: Target, comp: Compiler) -> TpuEstimate:  # a refusal of any kind is a row, not the end
-        return replace(ask(traced, tgt, comp, name, fsdp_chips(traced, tgt, fsdp)), note=note)
+        return replace(ask(traced, tgt, comp, name, fsdp_chips(traced, tgt, fsdp),
+                           what=f"{tgt.name} by {comp.name}"), note=note)
 
     def each(comp: Compiler) -> dict[int, TpuEstimate]:  # one compiler's pairs, in turn, on its worker
         return {i: one(tgt, c) for i, (tgt, c) in enumerate(resolved) if c == comp}
@@ -127,7 +138,9 @@ def compare(step: Callable, *args: Any, targets: Iterable[str | Target | None] =
     by = list(dict.fromkeys(c for _, c in resolved))
     with ThreadPoolExecutor(max_workers=max(1, min(len(by), os.cpu_count() or 1)),
                             thread_name_prefix="tpukit-compare") as pool:
-        done = {i: est for found in pool.map(each, by) for i, est in found.items()}
+        # each thread in a copy of this context: its compiles belong to this call's job
+        futures = [pool.submit(contextvars.copy_context().run, each, comp) for comp in by]
+        done = {i: est for f in futures for i, est in f.result().items()}
     unsharded = () if fsdp or traced.num_partitions > 1 else tuple(
         dict.fromkeys(t.name for t, _ in resolved if t.chips > 1))
     return Comparison(name, tuple(done[i] for i in range(len(resolved))), note, unsharded)

@@ -32,13 +32,13 @@ from .._hlo_text import dims
 from . import dump as _dump
 from .compiler.refusal import Refusal, short
 from .outcome import gb
-from .trace import ACTIVATIONS, GRADIENTS, INPUTS, OPTIMIZER, OUTPUTS, PARAMETERS, TEMPORARIES, Traced
+from .trace import ACTIVATIONS, FROZEN, GRADIENTS, INPUTS, OPTIMIZER, OUTPUTS, PARAMETERS, TEMPORARIES, Traced
 
-KINDS = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES, INPUTS, OUTPUTS)
+KINDS = (FROZEN, PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS, TEMPORARIES, INPUTS, OUTPUTS)
 CODE = "program code"
 DUMP = "compiler dump"  # MemoryBreakdown.source: the dump of this very compile
 REFUSAL = "compiler refusal"  # the refusal's list of the program's largest allocations
-_STATE = (PARAMETERS, GRADIENTS, OPTIMIZER, INPUTS, OUTPUTS, CODE)  # grouped by kind alone in rows()
+_STATE = (FROZEN, PARAMETERS, GRADIENTS, OPTIMIZER, INPUTS, OUTPUTS, CODE)  # grouped by kind alone in rows()
 # Why the kinds have no row of gradients when none shows: the optimizer's update reads each gradient as it is
 # made, so the compiler rarely keeps them all at once (zero_grad(set_to_none=True) frees them in the graph).
 NO_GRADIENTS = ("no gradients row: the compiler consumed each gradient in the update as the backward made it, "

@@ -11,8 +11,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from . import progress as _progress
 from .ask import ask, begin, check, fsdp_chips, resolve
 from .compiler.pins import Compiler
+from .compiler.worker import BudgetSpent
 from .compiler.targets import Target
 from .outcome import TpuEstimate, gb
 from .trace import Traced, trace
@@ -34,6 +36,7 @@ class BatchFit:
     tried: tuple[tuple[int, bool], ...]
     compiler: str = ""  # the TPU compiler that answered, as its estimates name it: "libtpu 0.0.17 (jax 0.7.2)"
     at_limit: bool = False  # the search reached its limit (``batch``) and that size fits: a lower bound
+    stopped: str = ""  # what ended the search before its answer was bounded (a time budget): the best so far
 
     @property
     def refused(self) -> int | None:
@@ -55,6 +58,8 @@ class BatchFit:
             bound = f"{self.refused} refused"
         else:
             bound = "none larger refused: a larger batch may fit too"
+        if self.stopped:
+            bound = f"{self.stopped}: the best answer so far" + (f" ({self.refused} refused)" if self.refused else "")
         return (f"{self.target}: batch {self.batch} fits ({gb(e.hbm_bytes)} of {gb(e.hbm_limit_bytes)} per chip, "
                 f"step at best {e.step_s_min * 1e3:.1f} ms); {len(self.tried)} compiles{by}, {bound}")
 
@@ -65,7 +70,7 @@ def search(make: Callable[[int], Traced], tgt: Target, comp: Compiler, name: str
     """The largest size that fits on ``tgt``: :func:`_sizes`, each size traced by ``make`` and compiled."""
     def at(b: int) -> TpuEstimate:
         traced = make(b)
-        return ask(traced, tgt, comp, name, fsdp_chips(traced, tgt, fsdp))
+        return ask(traced, tgt, comp, name, fsdp_chips(traced, tgt, fsdp), what=f"batch {b}")
 
     return _sizes(at, tgt.name, tgt.chips if fsdp else 1, below=below, start=start, limit=limit, steps=steps,
                   precision=precision)
@@ -98,9 +103,10 @@ def _sizes(at: Callable[[int], TpuEstimate], target: str, chips: int = 1, below:
     per chip (fewer are padded to a tile, and their HBM would say nothing of a row).
     """
     tried: list[tuple[int, bool]] = []
+    job = _progress.current()
 
-    def found(batch: int, est: TpuEstimate | None, at_limit: bool) -> BatchFit:
-        return BatchFit(target, batch, est, tuple(tried), label[0], at_limit)
+    def found(batch: int, est: TpuEstimate | None, at_limit: bool, stopped: str = "") -> BatchFit:
+        return BatchFit(target, batch, est, tuple(tried), label[0], at_limit, stopped)
     unit = math.lcm(8, chips)
     top = below - 1 if below else max(limit, start)
     label = [""]
@@ -109,70 +115,84 @@ def _sizes(at: Callable[[int], TpuEstimate], target: str, chips: int = 1, below:
         est = at(b)
         tried.append((b, est.fits))
         label[0] = est.compiler or label[0]
+        if est.fits and job is not None and b >= max((s for s, ok in tried if ok), default=0):
+            job.best(f"batch {b} fits ({gb(est.hbm_bytes)} of {gb(est.hbm_limit_bytes)})")
         return est
 
     def rounded(b: float) -> int:
         b = int(b)
         return b - b % unit if b > unit else chips * math.ceil(max(b, 1) / chips)
 
-    first = max(1, below // 2) if below else min(max(start, 8 * chips) if chips > 1 else start, top)
-    hi, b = below, min(rounded(first), top)
-    while not (est := compiled(b)).fits:
-        if b <= chips:
-            return found(0, None, False)
-        hi, b = b, rounded(b // 2)
-    fitting = [(b, est)]  # sizes that fit, ascending
-    stride = 1 / 16  # the step up from a size that fits where the HBM says the chip is full
-    narrowed = misses = 0  # compiles since a refused size bounded the answer; guesses the HBM got wrong
-    while True:
+    fitting: list[tuple[int, TpuEstimate]] = []  # sizes that fit, ascending
+    try:
+        first = max(1, below // 2) if below else min(max(start, 8 * chips) if chips > 1 else start, top)
+        hi, b = below, min(rounded(first), top)
+        while not (est := compiled(b)).fits:
+            if b <= chips:
+                return found(0, None, False)
+            hi, b = b, rounded(b // 2)
+        fitting.append((b, est))
+        stride = 1 / 16  # the step up from a size that fits where the HBM says the chip is full
+        narrowed = misses = 0  # compiles since a refused size bounded the answer; guesses the HBM got wrong
+        while True:
+            lo, best = fitting[-1]
+            if hi is None and lo >= top:
+                return found(lo, best, True)  # the limit fits: a larger size may fit too
+            spent = steps is not None and narrowed >= steps and hi is not None and hi <= 2 * lo
+            if hi is not None and (hi - lo <= max(unit, lo * precision) or spent):
+                break
+            full = best.hbm_bytes / best.hbm_limit_bytes if best.hbm_limit_bytes and (best.hbm_bytes or 0) > 0 else None
+            edge, guess, aimed = None, None, 0  # where the HBM says the chip fills; the next size; its expected side
+            if full is not None:
+                room = best.hbm_limit_bytes - best.hbm_bytes
+                slope = (best.hbm_bytes - fitting[-2][1].hbm_bytes) / (lo - fitting[-2][0]) if len(fitting) > 1 else 0
+                # By the slope between the two largest sizes that fit, else in proportion to the size (which
+                # counts the fixed costs as rows: it falls short).
+                edge = lo + room / slope if slope > 0 else lo / full
+            if edge is None or misses >= 2:
+                pass  # the HBM says nothing, or was wrong twice: bisect
+            elif full < 0.25:  # a slope taken where the chip is nearly empty may be far off: half the chip, 16x at most
+                guess = min(lo + (best.hbm_limit_bytes / 2 - best.hbm_bytes) / slope if slope > 0 else lo / 2 / full,
+                            16.0 * lo)
+            elif edge > lo:
+                half = 0.4 * precision * edge  # the two sizes either side of the edge: within the precision
+                if hi is None or hi > edge + half:
+                    guess, aimed = edge + half, -1  # just past the edge: refused, it bounds the answer closely
+                elif lo < edge - half:
+                    guess, aimed = edge - half, 1
+            elif hi is None:  # it fits where the HBM says the chip is full (it is not monotonic): step further
+                guess, stride = lo * (1 + stride), min(2 * stride, 1.0)
+            if guess is None:
+                guess = 2.0 * lo if hi is None else math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2
+            guess = min(rounded(max(guess, lo + unit if lo >= unit else lo + 1)), top)
+            if hi is not None and not lo < guess < hi:
+                guess = rounded(math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2)
+                if not lo < guess < hi:
+                    break  # no size between them: they are one step of sizes apart
+            narrowed += hi is not None
+            got = compiled(guess)
+            misses += (aimed == -1 and got.fits) or (aimed == 1 and not got.fits)
+            if got.fits:
+                fitting.append((guess, got))
+            else:
+                hi = guess
         lo, best = fitting[-1]
-        if hi is None and lo >= top:
-            return found(lo, best, True)  # the limit fits: a larger size may fit too
-        spent = steps is not None and narrowed >= steps and hi is not None and hi <= 2 * lo
-        if hi is not None and (hi - lo <= max(unit, lo * precision) or spent):
-            break
-        full = best.hbm_bytes / best.hbm_limit_bytes if best.hbm_limit_bytes and (best.hbm_bytes or 0) > 0 else None
-        edge, guess, aimed = None, None, 0  # where the HBM says the chip fills; the next size; its expected side
-        if full is not None:
-            room = best.hbm_limit_bytes - best.hbm_bytes
-            slope = (best.hbm_bytes - fitting[-2][1].hbm_bytes) / (lo - fitting[-2][0]) if len(fitting) > 1 else 0
-            # By the slope between the two largest sizes that fit, else in proportion to the size (which
-            # counts the fixed costs as rows: it falls short).
-            edge = lo + room / slope if slope > 0 else lo / full
-        if edge is None or misses >= 2:
-            pass  # the HBM says nothing, or was wrong twice: bisect
-        elif full < 0.25:  # a slope taken where the chip is nearly empty may be far off: half the chip, 16x at most
-            guess = min(lo + (best.hbm_limit_bytes / 2 - best.hbm_bytes) / slope if slope > 0 else lo / 2 / full,
-                        16.0 * lo)
-        elif edge > lo:
-            half = 0.4 * precision * edge  # the two sizes either side of the edge: within the precision
-            if hi is None or hi > edge + half:
-                guess, aimed = edge + half, -1  # just past the edge: refused, it bounds the answer closely
-            elif lo < edge - half:
-                guess, aimed = edge - half, 1
-        elif hi is None:  # it fits where the HBM says the chip is full (it is not monotonic): step further
-            guess, stride = lo * (1 + stride), min(2 * stride, 1.0)
-        if guess is None:
-            guess = 2.0 * lo if hi is None else math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2
-        guess = min(rounded(max(guess, lo + unit if lo >= unit else lo + 1)), top)
-        if hi is not None and not lo < guess < hi:
-            guess = rounded(math.sqrt(lo * hi) if hi > 4 * lo else (lo + hi) / 2)
-            if not lo < guess < hi:
-                break  # no size between them: they are one step of sizes apart
-        narrowed += hi is not None
-        got = compiled(guess)
-        misses += (aimed == -1 and got.fits) or (aimed == 1 and not got.fits)
-        if got.fits:
-            fitting.append((guess, got))
-        else:
-            hi = guess
-    lo, best = fitting[-1]
-    return found(lo, best, False)
+        return found(lo, best, False)
+    except BudgetSpent as spent:  # the time budget ran out: the best answer so far, said so
+        if not fitting:
+            raise BudgetSpent(f"{spent}: no batch size was answered yet (tried {tried or 'none'}); give "
+                              "largest_batch a larger budget=") from None
+        why = f"stopped by the time budget ({job.budget_s:g} s)" if job is not None and job.budget_s else "stopped"
+        if job is not None:
+            job.note = f"{why} after {len(tried)} compiles: the best answer so far"
+        lo, best = fitting[-1]
+        return found(lo, best, False, why)
 
 
 def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str | Target | None = None, *,
                   start: int = 8, limit: int = 1 << 20, bisect: int | None = None, precision: float = 1 / 32,
-                  fsdp: bool = False, compiler: str | Compiler | None = None) -> BatchFit:
+                  fsdp: bool = False, compiler: str | Compiler | None = None, budget: float | None = None,
+                  progress: bool = True) -> BatchFit:
     """The largest batch size at which ``step(make_batch(b))`` fits on ``target``, by TPU compiles.
 
     ``make_batch(b)`` returns the step's arguments for a batch of ``b`` rows (a tuple is unpacked, a
@@ -187,9 +207,19 @@ def largest_batch(step: Callable, make_batch: Callable[[int], Any], target: str 
     fit too). Sizes above 8 are multiples of 8. ``fsdp=True``: as under ``tpukit.fsdp`` over the
     target's chips (see :func:`estimate`). Every compile is cached, so asking again is instant.
     ``compiler``: which TPU compiler answers, as for :func:`estimate`; :attr:`BatchFit.compiler` names it.
+    ``budget``: seconds the search may take; when they run out (a compile under way is stopped) it ends with
+    the largest size that fitted so far, and :attr:`BatchFit.stopped` says so. ``progress``: show what is
+    compiling, for how long, and the best so far while it runs (:mod:`.progress`).
     """
     tgt, comp = resolve(target, compiler)
     name = begin(step, (), {}, comp, "tpukit.largest_batch")
+    with _progress.job(f"tpukit.largest_batch({name}) for {tgt.name}", budget, progress):
+        return _largest(step, make_batch, tgt, comp, name, start, limit, bisect, precision, fsdp)
+
+
+def _largest(step: Callable, make_batch: Callable[[int], Any], tgt: Target, comp: Compiler, name: str, start: int,
+             limit: int, bisect: int | None, precision: float, fsdp: bool) -> BatchFit:
+    """:func:`largest_batch`'s search, inside its job."""
     checked: list[bool] = []
 
     def make(b: int) -> Traced:

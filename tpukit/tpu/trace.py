@@ -21,7 +21,8 @@ from .. import _tree, _xla, metrics
 from .._xla import hlo as _hlo
 
 # What a buffer of the step holds (tpukit.tpu.memory groups the HBM at the peak by these).
-PARAMETERS = "parameters"  # the models' parameters and buffers
+PARAMETERS = "parameters"  # the models' parameters that train (LoRA: the adapters), and their buffers
+FROZEN = "frozen weights"  # the models' parameters that do not train (requires_grad=False: a LoRA's base)
 GRADIENTS = "gradients"
 OPTIMIZER = "optimizer state"
 ACTIVATIONS = "activations kept for backward"
@@ -107,8 +108,8 @@ def _state_tensors(mods: list, opts: list) -> list:
 
 
 def _named(mods: list, opts: list) -> dict[int, tuple[str, str]]:
-    """id(tensor) -> (kind, name) for every tensor of the state: parameters and buffers (by their module
-    path), their gradients, the optimizer's per-parameter state ("exp_avg of 0.weight")."""
+    """id(tensor) -> (kind, name) for every tensor of the state: parameters (frozen ones apart) and buffers
+    (by their module path), their gradients, the optimizer's per-parameter state ("exp_avg of 0.weight")."""
     import torch
 
     found: dict[int, tuple[str, str]] = {}
@@ -116,7 +117,8 @@ def _named(mods: list, opts: list) -> dict[int, tuple[str, str]]:
     for m in mods:
         for n, t in list(m.named_parameters()) + list(m.named_buffers()):
             names.setdefault(id(t), n)
-            found.setdefault(id(t), (PARAMETERS, n))
+            frozen = isinstance(t, torch.nn.Parameter) and not t.requires_grad
+            found.setdefault(id(t), (FROZEN if frozen else PARAMETERS, n))
             if t.grad is not None:
                 found.setdefault(id(t.grad), (GRADIENTS, n))
     for o in opts:

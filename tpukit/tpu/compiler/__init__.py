@@ -20,8 +20,8 @@ from .pins import RUNTIMES, Compiler, CompilerError, resolve
 from .refusal import Allocation, Refusal
 from .targets import TARGETS, Chip, Target, TargetError, target
 from .venvs import CompilerEnvError
-from .worker import Request, TpuCompilerMissingError, WorkerError, available, versions
+from .worker import BudgetSpent, Request, TpuCompilerMissingError, WorkerError, available, versions
 
 __all__ = ["cache_dir", "cache_info", "RUNTIMES", "Compiler", "CompilerError", "resolve", "Allocation", "Refusal",
            "TARGETS", "Chip", "Target", "TargetError", "target", "CompilerEnvError", "Request",
-           "TpuCompilerMissingError", "WorkerError", "available", "versions"]
+           "TpuCompilerMissingError", "WorkerError", "BudgetSpent", "available", "versions"]

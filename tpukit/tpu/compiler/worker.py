@@ -33,6 +33,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,10 @@ class TpuCompilerMissingError(TpukitError, ImportError):
 
 class WorkerError(TpukitError):
     """The TPU compiler's worker process could not start or died."""
+
+
+class BudgetSpent(TpukitError):
+    """A time budget ran out before the compiler answered (the compile under way was stopped)."""
 
 
 def available() -> bool:
@@ -214,22 +219,38 @@ class _Process:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = self._start()
 
-    def call(self, message: dict) -> dict:
+    def call(self, message: dict, deadline: float | None = None) -> dict:
         """Send ``message``, wait for its reply. Interrupted while waiting (a KeyboardInterrupt), the worker is
-        stopped: it would go on compiling for nobody, and its reply would answer the next request."""
+        stopped: it would go on compiling for nobody, and its reply would answer the next request. At
+        ``deadline`` (``time.monotonic()``) without a reply the worker is killed and :class:`BudgetSpent`
+        raised."""
         with self.lock:
             for attempt in (1, 2):
                 self._ensure_locked()
                 sent = next(self.ids)
+                expired = threading.Event()
+                timer = None
+                if deadline is not None:
+                    proc = self.proc
+                    timer = threading.Timer(max(0.0, deadline - time.monotonic()),
+                                            lambda: (expired.set(), proc.kill()))
+                    timer.daemon = True
+                    timer.start()
                 try:
                     reply = self._exchange(dict(message, id=sent), sent)
-                    if reply is not None:
+                    if reply is not None and not expired.is_set():
                         return reply
                 except (BrokenPipeError, OSError):
                     pass
                 except BaseException:
                     self._kill_locked()
                     raise
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+                if expired.is_set():
+                    self._kill_locked()
+                    raise BudgetSpent("the time budget ran out while the TPU compiler compiled")
                 code = self.proc.wait()
                 self.proc = None
                 log.warning("tpukit: the TPU compiler's worker exited (code %s), attempt %d", code, attempt)
@@ -318,12 +339,13 @@ def stop() -> None:
     _stop_all()
 
 
-def compile(request: Request) -> dict:
+def compile(request: Request, deadline: float | None = None) -> dict:
     """The compiler's answer for ``request``: its figures, or ``{"error": ..., "memory": bool, ...}``.
 
     Served from the cache when this graph was compiled for this target before. Requests for the same
     key at once (``%%xla`` and the follower, say) share one compile: the first compiles, the others wait
-    for its answer (or its exception). Raises :class:`TpuCompilerMissingError` without the extra,
+    for its answer (or its exception). At ``deadline`` (``time.monotonic()``) a compile still running is
+    stopped: :class:`BudgetSpent`. Raises :class:`TpuCompilerMissingError` without the extra,
     :class:`WorkerError` if the worker cannot run. The answer names its compiler (``compiler``: the versions
     that answered, ``compiler_name``: the name it was asked by).
     """
@@ -340,7 +362,7 @@ def compile(request: Request) -> dict:
         cache.count(hit=True)
         return _named(reply, request.compiler)
     try:
-        reply = _compile(request, key)
+        reply = _compile(request, key, deadline)
     except BaseException as exc:
         shared.set_exception(exc if isinstance(exc, Exception) else WorkerError(
             f"the compile this request waited for was interrupted ({type(exc).__name__})"))
@@ -353,12 +375,12 @@ def compile(request: Request) -> dict:
     return _named(reply, request.compiler)
 
 
-def compile_dump(request: Request, folder: str | Path) -> dict:
+def compile_dump(request: Request, folder: str | Path, deadline: float | None = None) -> dict:
     """Compile ``request`` with the compiler's dump written into ``folder`` (:func:`tpukit.tpu.dump.files`
     lists what it wrote); the worker's answer, naming its compiler. Not kept here: the breakdown read from
     the dump is (:func:`.cache.put_dump`, by :mod:`tpukit.tpu.ask`)."""
     require(request.compiler)
-    reply = _process(request.compiler).call(dict(request.message(), dump_to=str(folder)))
+    reply = _process(request.compiler).call(dict(request.message(), dump_to=str(folder)), deadline)
     if "fatal" in reply:
         raise WorkerError(f"the TPU compiler's worker failed: {reply['fatal']}")
     return _named(reply, request.compiler)
@@ -371,9 +393,9 @@ def _named(reply: dict, compiler: Compiler) -> dict:
     return dict(reply, compiler=reply.get("compiler") or compiler.versions(), compiler_name=compiler.name)
 
 
-def _compile(request: Request, key: str) -> dict:
+def _compile(request: Request, key: str, deadline: float | None = None) -> dict:
     """Have the worker compile ``request`` and keep its answer (a refusal for memory too)."""
-    reply = _process(request.compiler).call(request.message())
+    reply = _process(request.compiler).call(request.message(), deadline)
     if "fatal" in reply:
         if reply.get("missing"):
             raise TpuCompilerMissingError(f"{reply['fatal']}")
