@@ -1,10 +1,12 @@
-"""A step as it would run with a change the kit can make for it, to compile (never to train): each layer
-checkpointed, a language model's loss chunked, the state and batch in bf16, a batch cut to its first rows.
+"""A step as it would run with a change the kit can make for it: each layer checkpointed, a language model's
+loss chunked, the state and batch in bf16, a batch cut to its first rows.
 
 The TPU room's advice (:mod:`tpukit.tpu.advice`) traces a step again inside one of these and compiles it, so
-a suggestion carries the HBM the compiler gives for it. Each context manager gives every module, head and
-tensor its own forward, loss and data back when it ends, even on an error. They take the models (and
-optimizers) a step holds, not the step: finding those is the tracer's job (:mod:`tpukit.tpu.trace`).
+a suggestion carries the HBM the compiler gives for it. :func:`checkpointed` also trains: it is the XLA-safe
+form of per-layer gradient checkpointing (torch_xla's checkpoint around each layer), where transformers'
+``gradient_checkpointing_enable()`` fails on XLA tensors in torch 2.8. Each context manager gives every
+module, head and tensor its own forward, loss and data back when it ends, even on an error. They take the
+models (and optimizers) a step holds, not the step: finding those is the tracer's job (:mod:`tpukit.tpu.trace`).
 """
 
 from __future__ import annotations

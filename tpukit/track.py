@@ -18,10 +18,12 @@ import statistics
 import sys
 import time
 import types
+import warnings
 from typing import Any, Iterable, Iterator
 
 from . import _tree, _xla, compiles, events, metrics, steps, tpu
 from ._tree import to_device
+from .errors import TpukitWarning
 from .guards import StepGuard
 from .spmd import device_loader
 from .steps import StepRecord
@@ -40,11 +42,12 @@ class Stopped:
     error: str
     message: str
     step: int
+    hint: str | None = None  # what/why/fix when the exception is a known failure on XLA (tpukit._xla.traps)
 
     @classmethod
     def of(cls, exc: BaseException, step: int) -> "Stopped":
         """The record of ``exc`` raised at ``step``."""
-        return cls(type(exc).__name__, str(exc), step)
+        return cls(type(exc).__name__, str(exc), step, _xla.traps.explain(exc))
 
     def __str__(self) -> str:
         return f"stopped by {self.error} at step {self.step}"
@@ -302,6 +305,8 @@ class Tracker:
     def _close(self, completed: bool) -> None:
         self._ties.close()
         steps.loop_ended()
+        if self.stopped is not None and self.stopped.hint:  # said above the traceback it explains
+            warnings.warn(f"tpukit.track: {self.stopped}: {self.stopped.hint}", TpukitWarning, stacklevel=3)
         self.finished = time.time()
         if self._bar is not None:
             self._bar.close()

@@ -24,11 +24,12 @@ by concern:
 - :mod:`.lazy`      pending computations: which tensors hold them, their IR and HLO
 - :mod:`.eager`     following the eager-mode switch (one follower, set with ``eager.follow``)
 - :mod:`.ties`      tied weights the move to the device untied: found, and tied again
+- :mod:`.traps`     known failures of the stack on XLA tensors, explained (what, why, the fix)
 """
 
 from __future__ import annotations
 
-from . import eager, ties, versions
+from . import eager, ties, traps, versions
 from .lazy import has_pending, pending_hlo, pending_ir
 from .loader import imported_by, is_imported, torch_xla
 from .metrics import counter_names, counter_value, fallback_ops, metric_data

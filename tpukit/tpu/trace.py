@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from .. import _tree, _xla, metrics
+from ..errors import TpukitError
 from .._xla import hlo as _hlo
 
 # What a buffer of the step holds (tpukit.tpu.memory groups the HBM at the peak by these).
@@ -289,7 +290,13 @@ def trace(step: Callable, args: tuple, kwargs: dict) -> Traced:
         # refusal name them: tpukit.tpu.memory).
         with _hlo.source_metadata():
             with _module_scopes(mods):
-                out = step(*args, **kwargs)
+                try:
+                    out = step(*args, **kwargs)
+                except Exception as exc:  # a known failure of the stack on XLA tensors: what, why, the fix
+                    why = _xla.traps.explain(exc)
+                    if why is None:
+                        raise
+                    raise TpukitError(why) from exc
             read = metrics.snapshot() - before
             after = _state_tensors(mods, opts)
             outs: dict[int, Any] = {}
