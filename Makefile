@@ -44,16 +44,17 @@ COLAB_KAGGLE_ONLY := $(addprefix --deselect tests/test_tpu.py::,test_what_to_do_
 	test_the_compile_gets_torch_xlas_runtime_flags_and_the_users_win) \
 	--deselect tests/test_hf.py::test_callback_target_estimates_the_trainers_graphs_for_that_tpu
 # The tests of COLAB_TESTS that start a fresh interpreter each (76, most of the lane's time) run on Kaggle's
-# stack; on Colab's stack only the seven below, one per part of the stack they meet: IPython 7's shell and
+# stack; on Colab's stack only the eight below, one per part of the stack they meet: IPython 7's shell and
 # cell mapping, torch_xla 2.9's dynamo bridge, eager mode and SPMD, a runtime started before setup, the
-# magics loaded first in a kernel.
+# magics loaded first in a kernel, the Trainer's FSDPv2 with Colab's transformers.
 COLAB_SUBPROCESS := tests/test_checkpoint.py::test_spmd_sharded_model_saves_full_tensors \
 	tests/test_diagnosis.py::test_cells_in_a_real_ipython_shell_name_cell_and_line \
 	tests/test_diagnosis.py::test_torch_xla_compile_and_dynamo_compiles_name_the_users_line \
 	tests/test_magics.py::test_loaded_first_it_traces_compiles_to_cell_lines \
 	tests/test_observability.py::test_eager_mode_per_op_compiles_are_counted \
 	tests/test_runtime.py::test_setup_after_runtime_started_elsewhere_reports_what_was_lost \
-	tests/test_xla_adapter.py::test_the_eager_mode_switch_has_one_follower
+	tests/test_xla_adapter.py::test_the_eager_mode_switch_has_one_follower \
+	tests/test_hf_fsdp.py::test_the_fsdpv2_trainer_trains_a_decoder_with_the_callback_where_alone_it_does_not_start
 # Installs go through uv (from the package index, into .venv): it downloads and unpacks in parallel and
 # links files from its cache, so .venv-colab shares the nvidia-* files of .venv instead of unpacking them
 # twice. A cold install took 9.7 min with pip and about 6 with uv here (most of it the 3 GB download).

@@ -63,6 +63,7 @@ class Callback:
         self.tracker: Tracker | None = None
         self.collator: Any = None
         self.warnings: list[str] = []
+        self._made: list[str] = []  # what on_init_end fixed in its Trainer (said again in warnings)
         self._followed: tuple | None = None  # (the follower before, the run's own) while a run follows its target
         self._hook: Any = None
         self._in_step = False
@@ -79,13 +80,19 @@ class Callback:
 
     # ------------------------------------------------------------------ the Trainer's events
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """The Trainer is built: refuse what cannot work on XLA now, before ``train()``."""
+        """The Trainer is built: refuse what cannot work on XLA now, before ``train()``; an FSDP-XLA
+        Trainer gets the optimizer its ``train()`` would not make (:func:`~.checks.fix_fsdp_xla_optimizer`)."""
         checks.refuse(args)
+        trainer = checks.trainer_of(self)
+        self._made = []
+        if trainer is not None and checks.fix_fsdp_xla_optimizer(trainer):
+            self._made.append(checks.FSDP_XLA_OPTIMIZER)
+            checks._warn(checks.FSDP_XLA_OPTIMIZER)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        train_dataloader: Any = None, eval_dataloader: Any = None, **kwargs: Any) -> None:
         """Check the setup (before anything compiles), then start the tracked loop and hook the model."""
-        self.warnings = checks.check_training(args, optimizer, train_dataloader, eval_dataloader)
+        self.warnings = self._made + checks.check_training(args, optimizer, train_dataloader, eval_dataloader)
         stale = _RUNNING.pop(threading.get_ident(), None)
         if stale is not None:
             stale._abandon()

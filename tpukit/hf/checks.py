@@ -10,6 +10,7 @@ plain one and the warning says so. Reads the Trainer's objects only; imports no 
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any
 
@@ -161,3 +162,48 @@ def check_training(args: Any, optimizer: Any = None, train_dataloader: Any = Non
         warn(f"bf16=True on XLA:{_xla.device_type()}: bfloat16 is emulated here and slower than float32; "
              f"it pays on a TPU only.")
     return found
+
+
+# transformers' Trainer with torch_xla's FSDP (fsdp_config={"xla": True, ...}, FSDPv2 included) delays making
+# its optimizer until the model is wrapped, then makes it only on the branch of a model accelerate prepares;
+# an FSDP-XLA model is wrapped by the Trainer itself, so no optimizer is made and create_scheduler fails
+# before the first step ("'NoneType' object has no attribute 'param_groups'"; transformers 5.15 and 5.24's
+# Trainer._prepare_for_training, read and run here). 4.x made the delayed optimizer on both branches.
+FSDP_XLA_OPTIMIZER = (
+    "this transformers' Trainer never makes the optimizer of an FSDP-XLA run (fsdp_config xla=True): train() "
+    "fails in create_scheduler with \"'NoneType' object has no attribute 'param_groups'\". tpukit makes it where "
+    "transformers 4.x did, after the model is wrapped (the parameters FSDPv2 shards in place); without "
+    "tpukit.hf.Callback, call tpukit.hf.checks.fix_fsdp_xla_optimizer(trainer) before trainer.train().")
+
+
+def fix_fsdp_xla_optimizer(trainer: Any) -> bool:
+    """Make an FSDP-XLA Trainer create its optimizer when it schedules (see :data:`FSDP_XLA_OPTIMIZER`): its
+    ``create_scheduler``, on this instance only, first makes the optimizer the Trainer would have (its own
+    ``create_optimizer``, then ``accelerator.prepare``). True when the trainer needed it; applied once."""
+    if not getattr(trainer, "is_fsdp_xla_enabled", False) or "create_scheduler" in vars(trainer):
+        return False
+    original = trainer.create_scheduler
+
+    def create_scheduler(num_training_steps: int, optimizer: Any = None) -> Any:
+        if optimizer is None and trainer.optimizer is None:
+            trainer.create_optimizer()
+            trainer.optimizer = trainer.accelerator.prepare(trainer.optimizer)
+        return original(num_training_steps=num_training_steps, optimizer=optimizer)
+
+    trainer.create_scheduler = create_scheduler
+    return True
+
+
+def trainer_of(callback: Any, depth: int = 8) -> Any:
+    """The ``Trainer`` whose ``__init__`` is calling ``callback``'s ``on_init_end`` now (a callback is given
+    no reference to its Trainer): the ``self`` of a calling frame whose callback handler holds it; None if
+    none does."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if any(c is callback for c in getattr(getattr(owner, "callback_handler", None), "callbacks", ())):
+            return owner
+        frame = frame.f_back
+    return None
