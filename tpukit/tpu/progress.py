@@ -67,7 +67,7 @@ class TpuProgress:
             parts.append(f"{self.compiles} done")
         if self.best:
             parts.append(f"best: {self.best}")
-        parts.append(f"{self.elapsed_s:.0f} s" + (f" of {self.budget_s:.0f} s" if self.budget_s else ""))
+        parts.append(f"{self.elapsed_s:.0f} s" + (f" of {self.budget_s:g} s" if self.budget_s else ""))
         if self.note:
             parts.append(self.note)
         return " · ".join(parts)
