@@ -154,11 +154,13 @@ test-unit: $(STAMP)
 # modules below, and everything else, so that a new test file is never left out. Balanced by CI's times: with
 # test_hardening here, lane 1 took 3589 s and lane 2 2726 s (test_hardening: 285-456 s), so it runs in part 2;
 # with notebook 09's new sections and the TPU compiler tests in part 2, lane 1 took 3353 s and lane 2 3734 s,
-# so test_tpu_memory (about 130-200 s of TPU compiles) runs in part 1.
+# so test_tpu_memory (about 130-200 s of TPU compiles) runs in part 1; with this round's LLM, FSDPv2 and
+# progress tests, lane 1 took 1850 s and lane 2 2056 s here (a fresh clone, warm caches), so test_tpu_progress
+# (35 s) runs in part 1 too.
 # In this order: the simulated slice's Ray cluster (test_pod) starts after lane 3's install of .venv-colab
 # is over (under an install beside two lanes a Ray node's agents once took longer than its raylet waited).
 UNIT_PART1 := $(addprefix tests/test_,checkpoint_scale.py checkpoint_hardening.py tpu.py tpu_memory.py \
-	platform.py cells.py parallel.py pod.py)
+	tpu_progress.py platform.py cells.py parallel.py pod.py)
 test-unit-part1: $(STAMP)
 	$(WITH_TEST_FLAGS) $(VPY) -m pytest $(UNIT_PART1) -q -p no:cacheprovider $(NOFH)
 test-unit-part2: $(STAMP)
