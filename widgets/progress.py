@@ -29,9 +29,13 @@ class ProgressView:
         self.file = file
         self.bar = None
         self.lines: list[str] = []  # what text mode printed (and what a test reads)
+        self.job: str | None = None  # the job it shows: the first it hears (its STARTED); others' records are not its
 
     def on_tpu_progress(self, p: Any) -> None:
-        """Show ``p`` (a :class:`~tpukit.tpu.progress.TpuProgress`)."""
+        """Show ``p`` (a :class:`~tpukit.tpu.progress.TpuProgress`) when it is of this view's job."""
+        self.job = self.job or p.job
+        if p.job != self.job:  # another thread's call: its own view shows it
+            return
         if self.lines_only:
             if p.phase in (ANSWERED, ENDED):
                 self._print(f"{p.job}: {p.line()}")
