@@ -17,7 +17,7 @@ by concern:
 - :mod:`.versions`  the supported releases (2.8 on Kaggle, 2.9 on Colab) and named gates
 - :mod:`.runtime`   the PJRT runtime: devices, sync, topology, memory, the compile cache
 - :mod:`.metrics`   torch_xla's counters and metrics
-- :mod:`.tensors`   step closures, tensor identity, copies to the host, the device's RNG seed
+- :mod:`.tensors`   step closures, tensor identity, copies to the host, the device's RNG seed, placeholders
 - :mod:`.spmd`      SPMD mode, meshes, shardings, the sharded loader, FSDP, sharded checkpoints
 - :mod:`.replicas`  the launcher's process count and the body of each replica
 - :mod:`.profiler`  the profiler session
@@ -67,7 +67,7 @@ from .spmd import (
     to_device_sharded,
     use_spmd,
 )
-from .tensors import add_step_closure, is_xla_tensor, rng_seed, set_rng_seed, tensor_id, to_cpu
+from .tensors import add_step_closure, is_xla_tensor, placeholders, rng_seed, set_rng_seed, tensor_id, to_cpu
 
 __all__ = [
     "eager", "ties", "versions",
@@ -75,7 +75,7 @@ __all__ = [
     "runtime_initialized", "device", "sync", "wait_device_ops", "device_type", "device_count", "world_size",
     "process_count", "global_ordinal", "initialize_cache", "accelerator_type", "version", "memory_info",
     "metric_data", "counter_names", "counter_value", "fallback_ops",
-    "add_step_closure", "is_xla_tensor", "tensor_id", "to_cpu", "rng_seed", "set_rng_seed",
+    "add_step_closure", "is_xla_tensor", "placeholders", "tensor_id", "to_cpu", "rng_seed", "set_rng_seed",
     "use_spmd", "is_spmd", "make_mesh", "rename_mesh_axes", "mesh_axes", "is_mesh", "mark_sharding",
     "to_device_sharded", "sharding_spec", "is_sharded", "first_dim_sharding", "mp_device_loader", "spmd_fsdp",
     "spmd_checkpoint_planners", "prime_optimizer",

@@ -62,3 +62,37 @@ def set_rng_seed(seed: int) -> None:
     """Set the default XLA device's running random-number seed (``xm.set_rng_state``)."""
     c = xlac()
     c._xla_set_rng_seed(int(seed), str(c._xla_get_default_device()))
+
+
+def placeholders(module: Any) -> Any:
+    """Give ``module`` (built on the ``meta`` device, or anywhere) XLA tensors that hold no buffer in place of
+    its parameters and buffers, in place; returns it.
+
+    The shapes, dtypes, ``requires_grad`` and ties (a parameter shared by two modules stays one) are kept, and
+    a step traced on them is the same program as on real weights (the same HLO: they are its parameters), so
+    the TPU compiler can be asked about a model that the host could not hold. Reading a value (``.item()``,
+    a copy to the CPU, running the step) fails: it is for tracing only.
+    """
+    import torch
+
+    from .loader import torch_xla
+
+    torch_xla()
+    from torch_xla.core import xla_builder
+
+    made: dict[int, Any] = {}
+
+    def empty(t: Any, parameter: bool) -> Any:
+        if id(t) not in made:
+            e = xla_builder.create_placeholder_tensor(tuple(t.shape), t.dtype)
+            made[id(t)] = torch.nn.Parameter(e, requires_grad=t.requires_grad) if parameter else e
+        return made[id(t)]
+
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = empty(p, True)
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = empty(b, False)
+    return module

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import tempfile
+import time
 import warnings
 from dataclasses import replace
 from typing import Callable
@@ -26,7 +27,8 @@ from .compiler import cache, pins, worker
 from .compiler.pins import Compiler, describe, mismatch
 from .compiler.refusal import is_memory_refusal, parse
 from .compiler.targets import TARGETS, Target, TargetError
-from .outcome import FIRST_STEP, FITS, NEED, PEAK, REJECTED, SUM, TOO_BIG, UNKNOWN, TpuEstimate, hbm_text
+from .outcome import (FIRST_STEP, FITS, NEED, PEAK, PLANNED, REJECTED, SUM, TOO_BIG, UNKNOWN, TpuEstimate,
+                      hbm_text)
 from .trace import Traced, retie
 
 
@@ -49,11 +51,13 @@ def graph(hlo: bytes, num_partitions: int = 1) -> Traced:
 
 
 def ask(traced: Traced, tgt: Target, comp: Compiler, name: str = "step", shard_over: int = 1,
-        dump: bool = False, what: str = "") -> TpuEstimate:
+        dump: bool = False, what: str = "", early: bool = False) -> TpuEstimate:
     """Compile ``traced`` for ``tgt`` with ``comp`` (an FSDP layout over ``shard_over`` chips; 1: its own
     shardings) and return the outcome: fits, too big (with the refusal's breakdown), or rejected (the
     compiler's message). ``dump``: with the compiler's dump, the fitting step's ``memory`` breakdown by kind
-    and source line (kept with its answer). Inside a public call's job (:mod:`.progress`) the compile is
+    and source line (kept with its answer). ``early``: stop the compile once its buffer assignment is written
+    (:func:`_planned`): the HBM it allocates, before code generation (most of the time), is the answer
+    (``hbm_source`` :data:`~.outcome.PLANNED`); a compile that ends first answers as it ends. Inside a public call's job (:mod:`.progress`) the compile is
     reported as ``what`` (default: the step's name) and bounded by the job's budget
     (:class:`~.compiler.worker.BudgetSpent`). Raises only when no compiler can answer (the worker died, the
     compiler is missing) or the budget ran out."""
@@ -67,7 +71,10 @@ def ask(traced: Traced, tgt: Target, comp: Compiler, name: str = "step", shard_o
         job.check(what)
         job.compiling(what)
     deadline = job.deadline if job is not None else None
-    if not dump:
+    if early:
+        reply = _planned(request, deadline)
+        est = outcome(reply, tgt, name, traced) if "planned_bytes" not in reply else planned(reply, tgt, name)
+    elif not dump:
         est = outcome(worker.compile(request, deadline), tgt, name, traced)
     else:
         reply, found = _dumped(request, deadline)
@@ -99,6 +106,40 @@ def _dumped(request: worker.Request, deadline: float | None = None) -> tuple[dic
     if "error" not in reply or is_memory_refusal(reply["error"]):  # a passing fault of the install is asked again
         cache.put_dump(key, {"reply": reply, "dump": found.to_json() if found else None})
     return reply, found
+
+
+def _planned(request: worker.Request, deadline: float | None = None) -> dict:
+    """The reply for ``request`` compiled only as far as its buffer assignment: ``planned_bytes`` (what it
+    allocates in HBM) and ``until_s`` (the time to it), or the compile's own reply when it ended first (a
+    refusal made before it). Kept by the request's key, beside its full answer."""
+    key = request.key() + "-planned"
+    kept = cache.get(key)
+    if kept is not None:
+        cache.count(hit=True)
+        return worker._named(kept, request.compiler)
+    sizes: dict = {}
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="tpukit-plan-") as folder:
+        reply = worker.compile_dump(request, folder, deadline, until=lambda: _dump.planned(folder, sizes))
+    if "early" in reply:
+        reply = worker._named({"planned_bytes": int(reply["early"]), "until_s": time.monotonic() - began},
+                              request.compiler)
+    if "error" not in reply or is_memory_refusal(reply["error"]):
+        cache.put(key, reply)
+    return reply
+
+
+def planned(reply: dict, target: Target, name: str = "step") -> TpuEstimate:
+    """The :class:`TpuEstimate` of a compile stopped at its buffer assignment: the HBM it allocates held
+    against the usable HBM (fits when within it; the code, a few tens of MB, is not counted yet)."""
+    found = reply.get("compiler") or {}
+    need, limit = int(reply["planned_bytes"]), int(target.usable_hbm_bytes)
+    return TpuEstimate(target.name, FITS if need <= limit else TOO_BIG, limit, need, PLANNED,
+                       compile_s=float(reply.get("until_s", 0.0)), compiler=describe(found),
+                       compiler_note=mismatch(found), compiler_name=reply.get("compiler_name", ""),
+                       chip_note=chip_note(target),
+                       note=(f"{name}: the compiler's buffer assignment (the compile stopped there, before its "
+                             "code generation): every HBM allocation but the program's code"))
 
 
 def outcome(reply: dict, target: Target, name: str = "step", traced: Traced | None = None) -> TpuEstimate:

@@ -31,6 +31,9 @@ PEAK = "compiler peak"  # the compiler's own peak of the program (its memory sta
 SUM = "sum of buffers"  # arguments + outputs + temporaries + code - aliased: over-states a peak it did not report
 NEED = "compiler refusal"  # what the compiler's refusal says the program needs
 UNKNOWN = "not reported"
+# The compiler's buffer assignment, read before its code generation ended (``ask(early=True)``): every HBM
+# allocation of the program but its code; the verdict is that sum held against the usable HBM.
+PLANNED = "buffer assignment"
 
 # The step an estimate of a training step taken before training is of (AdamW's state is made in its graph).
 FIRST_STEP = ("the optimizer's first step: its state (Adam's moments) is made inside this graph; a later step "

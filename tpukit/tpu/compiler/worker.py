@@ -37,6 +37,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from ...errors import TpukitError
 from . import cache, pins, venvs
@@ -219,26 +220,27 @@ class _Process:
         if self.proc is None or self.proc.poll() is not None:
             self.proc = self._start()
 
-    def call(self, message: dict, deadline: float | None = None) -> dict:
+    def call(self, message: dict, deadline: float | None = None, until: Callable[[], Any] | None = None) -> dict:
         """Send ``message``, wait for its reply. Interrupted while waiting (a KeyboardInterrupt), the worker is
         stopped: it would go on compiling for nobody, and its reply would answer the next request. At
         ``deadline`` (``time.monotonic()``) without a reply the worker is killed and :class:`BudgetSpent`
-        raised."""
+        raised. ``until``: polled while the worker works (every ``POLL_S``); once it returns something other
+        than None the worker is killed (a new one starts at once, to load while the caller goes on) and the
+        reply is ``{"early": that value}``: what the caller needed came before the compile's end."""
         with self.lock:
             for attempt in (1, 2):
                 self._ensure_locked()
                 sent = next(self.ids)
-                expired = threading.Event()
-                timer = None
-                if deadline is not None:
-                    proc = self.proc
-                    timer = threading.Timer(max(0.0, deadline - time.monotonic()),
-                                            lambda: (expired.set(), proc.kill()))
-                    timer.daemon = True
-                    timer.start()
+                ended = threading.Event()
+                why: list = []  # ("budget",) or ("early", value): what stopped the worker
+                watcher = None
+                if deadline is not None or until is not None:
+                    watcher = threading.Thread(target=_watch, args=(self.proc, ended, why, deadline, until),
+                                               daemon=True)
+                    watcher.start()
                 try:
                     reply = self._exchange(dict(message, id=sent), sent)
-                    if reply is not None and not expired.is_set():
+                    if reply is not None and not why:
                         return reply
                 except (BrokenPipeError, OSError):
                     pass
@@ -246,11 +248,16 @@ class _Process:
                     self._kill_locked()
                     raise
                 finally:
-                    if timer is not None:
-                        timer.cancel()
-                if expired.is_set():
+                    ended.set()
+                    if watcher is not None:
+                        watcher.join()
+                if why and why[0][0] == "budget":
                     self._kill_locked()
                     raise BudgetSpent("the time budget ran out while the TPU compiler compiled")
+                if why:
+                    self._kill_locked()
+                    self.proc = self._start()  # the next compile's worker loads now
+                    return {"early": why[0][1]}
                 code = self.proc.wait()
                 self.proc = None
                 log.warning("tpukit: the TPU compiler's worker exited (code %s), attempt %d", code, attempt)
@@ -293,6 +300,24 @@ class _Process:
 
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+
+POLL_S = 0.1  # how often a call's watcher looks at its deadline and its ``until``
+
+
+def _watch(proc: subprocess.Popen, ended: threading.Event, why: list, deadline: float | None,
+           until: Callable[[], Any] | None) -> None:
+    """Until ``ended``: kill ``proc`` at ``deadline`` (``why``: ("budget",)) or once ``until()`` returns a value
+    (``why``: ("early", value))."""
+    while not ended.wait(POLL_S):
+        if deadline is not None and time.monotonic() >= deadline:
+            why.append(("budget",))
+        elif until is not None and (got := until()) is not None:
+            why.append(("early", got))
+        else:
+            continue
+        proc.kill()
+        return
 
 
 _PROCESSES: dict[tuple, _Process] = {}  # one per compiler, by its versions
@@ -375,12 +400,14 @@ def compile(request: Request, deadline: float | None = None) -> dict:
     return _named(reply, request.compiler)
 
 
-def compile_dump(request: Request, folder: str | Path, deadline: float | None = None) -> dict:
+def compile_dump(request: Request, folder: str | Path, deadline: float | None = None,
+                 until: Callable[[], Any] | None = None) -> dict:
     """Compile ``request`` with the compiler's dump written into ``folder`` (:func:`tpukit.tpu.dump.files`
     lists what it wrote); the worker's answer, naming its compiler. Not kept here: the breakdown read from
-    the dump is (:func:`.cache.put_dump`, by :mod:`tpukit.tpu.ask`)."""
+    the dump is (:func:`.cache.put_dump`, by :mod:`tpukit.tpu.ask`). ``until``: as for :meth:`_Process.call`
+    (the compile is stopped once it returns a value: the reply is ``{"early": value}``)."""
     require(request.compiler)
-    reply = _process(request.compiler).call(dict(request.message(), dump_to=str(folder)), deadline)
+    reply = _process(request.compiler).call(dict(request.message(), dump_to=str(folder)), deadline, until)
     if "fatal" in reply:
         raise WorkerError(f"the TPU compiler's worker failed: {reply['fatal']}")
     return _named(reply, request.compiler)

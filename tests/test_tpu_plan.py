@@ -1,0 +1,145 @@
+"""``tpukit.plan``: a decoder LM's planning table by the real TPU compiler (libtpu, compile-only), no mocks.
+
+The model is transformers' Llama at a tiny width with many heads, so that its attention's scores reach the
+chip's HBM at a few rows of a few thousand tokens: the table's edges (a size that fits, the next refused)
+are real refusals at sizes a test can compile. Its weights are placeholders (the host holds none).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+tpu = pytest.importorskip("tpukit.tpu")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import tpukit  # noqa: E402
+from tpukit import _xla  # noqa: E402
+from tpukit.tpu import ask, modes, trace  # noqa: E402
+from tpukit.tpu.plan import DECIDED, PLANNED, PREDICTED, held_bytes, holds  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    """One on-disk answer cache for this module's tests (not the user's ~/.cache)."""
+    monkeypatch.setenv("TPUKIT_TPU_CACHE", str(tmp_path_factory.getbasetemp() / "tpu-cache"))
+
+
+def config(**kw) -> LlamaConfig:
+    """Two layers of 128 wide, 16 heads of 8: the attention's fp32 scores dominate at thousands of tokens."""
+    base = dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=16,
+                num_key_value_heads=4, max_position_embeddings=32768)
+    return LlamaConfig(**{**base, **kw})
+
+
+def test_a_mode_is_a_base_and_options_and_a_wrong_one_says_what_is_known():
+    m = modes.Mode.parse("LoRA+ckpt")
+    assert (m.name, m.base, m.ckpt, m.bf16, m.fsdp) == ("lora+ckpt", "lora", True, False, False)
+    with pytest.raises(ValueError, match="starts with one of full, lora"):
+        modes.Mode.parse("qlora")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) flash.*ckpt, bf16, fsdp"):
+        modes.Mode.parse("full+flash")
+
+
+def test_placeholder_weights_give_the_same_program_as_real_ones(rt):
+    # The step on a model whose weights hold no buffer is the very graph of the model on real weights
+    # (the same HLO bytes): what the compiler answers for it is the real model's answer.
+    cfg = config()
+    torch.manual_seed(0)
+    real = LlamaForCausalLM(cfg).to(_xla.device())
+    with torch.device("meta"):
+        empty = LlamaForCausalLM(cfg)
+    _xla.placeholders(empty)
+    assert empty.lm_head.weight is not empty.model.embed_tokens.weight  # untied in this config: two parameters
+    ids = torch.randint(0, 2048, (2, 64))
+
+    def step_of(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(x):
+            opt.zero_grad()
+            loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    assert trace.trace(step_of(real), (ids,), {}).hlo == trace.trace(step_of(empty), (ids,), {}).hlo
+    tied = LlamaConfig(**{**config().to_dict(), "tie_word_embeddings": True})
+    with torch.device("meta"):
+        m = LlamaForCausalLM(tied)
+    _xla.placeholders(m)
+    assert m.lm_head.weight is m.model.embed_tokens.weight  # a tie stays one parameter
+
+
+@pytest.mark.compiler
+def test_the_buffer_assignment_answers_as_the_full_compile_does_in_a_fraction_of_its_time(rt):
+    # ask(early=True) stops the compile once its buffer assignment is written: the same verdict as the full
+    # compile, and the HBM it allocates within 2% of the compiler's sum of buffers (the code comes after it).
+    made = modes.build(config(), modes.Mode.parse("full"))
+    tgt, comp = ask.resolve("v5e-1", None)
+    for b, n in ((1, 2048), (4, 8192)):
+        traced = trace.trace(made.step, (torch.randint(0, made.vocab, (b, n)),), {})
+        early = ask.ask(traced, tgt, comp, "llama", early=True)
+        full = ask.ask(traced, tgt, comp, "llama")
+        assert early.hbm_source == tpu.outcome.PLANNED, early
+        assert holds(early) == holds(full), (early, full)
+        if full.fits:  # the allocations are the program's buffers but its code
+            held = held_bytes(full)
+            assert early.hbm_bytes == pytest.approx(held, rel=0.02), (early.hbm_bytes, held)
+            assert early.compile_s < full.compile_s, (early.compile_s, full.compile_s)
+        if not holds(full):
+            assert early.hbm_bytes > early.hbm_limit_bytes, early
+
+
+@pytest.mark.compiler
+def test_a_plan_finds_each_edge_by_a_refusal_decides_one_per_mode_and_measures_its_prediction(rt):
+    # Two modes at two lengths: every cell's largest batch is bounded by a size the compiler refused, the
+    # longest sequence at batch 1 too; one cell per mode is decided by full compiles; every compile after the
+    # first few carries the HBM the model predicted for it.
+    p = tpukit.plan(config(), "v5e-1", lengths=(2048, 4096), modes=("full", "lora+ckpt"), progress=False)
+    assert p.compiler.startswith("libtpu") and p.target == "v5e-1"
+    for c in p.cells + p.longest:
+        assert c.how in (DECIDED, PLANNED), c
+        assert c.refused is not None and c.refused > (c.length if c in p.longest else c.batch), c
+        size = (lambda q: q.length) if c in p.longest else (lambda q: q.batch)
+        at = [q for q in p.points if q.mode == c.mode and (q.batch == 1 if c in p.longest else q.length == c.length)]
+        assert any(size(q) == c.refused and not q.fits for q in at), (c, at)  # the refusal is a compile
+        assert any(size(q) == (c.length if c in p.longest else c.batch) and q.fits for q in at), (c, at)
+    assert {c.mode for c in p.cells if c.how == DECIDED} == {"full", "lora+ckpt"}
+    # LoRA with each layer checkpointed fits more rows than the full fine-tune, a sequence as long at batch 1.
+    assert p.cell("lora+ckpt", 2048).batch > p.cell("full", 2048).batch, p
+    assert p.longest_of("lora+ckpt").length >= p.longest_of("full").length, p
+    errs = p.errors()
+    # Each mode's first two compiles have no model yet; a refusal's need is not a figure to hold it against.
+    unheld = sum(q.hbm_bytes is None for q in p.points)
+    assert len(errs) == len(p.points) - 2 * len(p.modes) - unheld, (errs, p.points)
+    assert "compiles, each predicted before it ran" in p.error_text(), p.error_text()
+    assert "first predictions: " in p.error_text() and p.cell_hits()[1] == len(p.cells) + len(p.longest)
+    text = str(p)
+    assert "largest batch (rows) per sequence length" in text and "longest at batch 1" in text, text
+    assert " c " in f" {text} " and "c: the compiler decided it" in text, text
+    assert "<table>" in p._repr_html_() and "font-weight:bold" in p._repr_html_()
+    times = p.times()
+    assert times["buffer assignment"] > 0 and times["full compiles"] > 0 and times["trace"] > 0, times
+    ax = p.chart()
+    assert len(ax.get_lines()) >= 2 and ax.get_xlabel() == "sequence length (tokens)"
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
+@pytest.mark.compiler
+def test_a_time_budget_ends_a_plan_with_its_best_answer_and_says_so(rt):
+    # A budget of a few compiles: the plan ends, its cells are predicted from the compiles it made, and it
+    # says what stopped it.
+    p = tpukit.plan(config(num_attention_heads=8, num_key_value_heads=2), "v5e-1", lengths=(1024, 4096),
+                    modes=("full",), budget=15, progress=False, verify=False)
+    assert p.stopped.startswith("stopped by the time budget (15 s)"), p.stopped
+    assert "the best answer so far" in str(p), str(p)
+    assert p.points and all(c.how in (PREDICTED, PLANNED) for c in p.cells), p.cells
+    if len({(q.batch, q.length) for q in p.points}) >= 2:  # enough for a model: the rest is predicted from it
+        assert any(c.how == PREDICTED and c.batch > 0 for c in p.cells + p.longest), p

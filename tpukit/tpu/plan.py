@@ -1,0 +1,534 @@
+"""``tpukit.plan``: will a decoder LM's fine-tune fit a target, at which batch per sequence length, per mode.
+
+One call, one table: for each mode (:mod:`.modes`: full, LoRA, + per-layer checkpointing, + bf16, FSDP) the
+largest batch at each sequence length and the longest sequence at batch 1, each cell saying who decided it:
+
+- :data:`DECIDED`: the compiler (a full compile fitted that size and refused the next);
+- :data:`PLANNED`: the compiler's buffer assignment (the compile stopped there, before code generation, most
+  of its time: :func:`.ask.ask` with ``early=True``) allocates that size within the usable HBM and the next
+  size beyond it;
+- :data:`PREDICTED`: the kit, from the HBM the compiles made so far gave, fitted per mode as
+  ``F + batch * (a * length + c * length**2)`` (weights, gradients and optimizer state; activations; the
+  attention's scores).
+
+The work is in three rounds, so the answer improves as it goes and a time budget ends it with the best so
+far: a few design points per mode (every cell predicted), the edge of each cell by buffer assignments
+(planned), then one cell per mode by full compiles (decided). Every compile records the HBM the model
+predicted for it before it ran: :meth:`Plan.error` is the prediction's measured error.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from . import progress as _progress
+from .ask import ask, begin, resolve
+from .compiler.pins import Compiler
+from .compiler.targets import Target
+from .compiler.worker import BudgetSpent
+from .modes import Built, Mode, build, model_name
+from .outcome import PLANNED, TpuEstimate, gb
+from .trace import trace
+
+DECIDED, PREDICTED = "compiler", "predicted"  # and PLANNED, the buffer assignment (.outcome)
+MARK = {DECIDED: "c", PLANNED: "b", PREDICTED: "p"}
+LENGTHS = (512, 1024, 2048, 4096, 8192)
+MODES = ("full", "lora", "lora+ckpt")
+
+
+@dataclass(frozen=True)
+class Point:
+    """One compile of the plan: a mode at (batch, length), its verdict, the HBM it gave (None: a refusal that
+    named none), how it was answered (:data:`DECIDED`: a full compile; :data:`PLANNED`: the buffer
+    assignment), the HBM the model predicted before it ran (None: too few points yet), its times."""
+
+    mode: str
+    batch: int
+    length: int
+    fits: bool
+    hbm_bytes: int | None
+    source: str
+    predicted_bytes: int | None
+    trace_s: float
+    compile_s: float
+
+
+@dataclass(frozen=True)
+class Cell:
+    """The largest batch of a mode at a length (``batch`` 0: none fits; for the longest sequence, ``length``
+    is the answer at batch 1), who decided it, the size above it that did not fit (None: not tried, or the
+    model's limit), what the kit predicted before any edge was searched."""
+
+    mode: str
+    length: int
+    batch: int
+    how: str
+    refused: int | None
+    predicted: int
+
+    def text(self, longest: bool = False) -> str:
+        """``4 c`` (decided), ``3 b`` (planned), ``~5 p`` (predicted)."""
+        value = self.length if longest else self.batch
+        return f"{'~' if self.how == PREDICTED else ''}{value} {MARK[self.how]}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planning answer (see the module doc): the cells, the longest sequence per mode, every compile."""
+
+    model: str
+    target: str
+    compiler: str
+    hbm_limit_bytes: int
+    lengths: tuple[int, ...]
+    modes: tuple[str, ...]
+    cells: tuple[Cell, ...]
+    longest: tuple[Cell, ...]
+    points: tuple[Point, ...]
+    wall_s: float
+    parameters: dict = field(default_factory=dict)  # mode -> (parameters, trained)
+    stopped: str = ""  # what ended the plan early (a time budget): its cells are the best so far
+    notes: tuple[str, ...] = ()
+
+    def cell(self, mode: str, length: int) -> Cell:
+        """The cell of ``mode`` at ``length``."""
+        return next(c for c in self.cells if c.mode == mode and c.length == length)
+
+    def longest_of(self, mode: str) -> Cell:
+        """The longest sequence of ``mode`` at batch 1."""
+        return next(c for c in self.longest if c.mode == mode)
+
+    def errors(self) -> list[float]:
+        """The prediction's relative errors, (predicted - compiled) / compiled HBM, on the compiles that had a
+        prediction."""
+        return [(p.predicted_bytes - p.hbm_bytes) / p.hbm_bytes for p in self.points
+                if p.predicted_bytes is not None and p.hbm_bytes]
+
+    def cell_hits(self) -> tuple[int, int]:
+        """(cells whose first prediction, made from the design points alone, was the answer found; cells found
+        by compiles)."""
+        found = [c for c in self.cells + self.longest if c.how != PREDICTED]
+        return sum(c.predicted == (c.length if c in self.longest else c.batch) for c in found), len(found)
+
+    def error_text(self) -> str:
+        """``HBM predicted within 3.1% (median) and 9.8% (largest) ... ; first predictions: 5 of 18 cells``."""
+        errs = [abs(e) for e in self.errors()]
+        if not errs:
+            return "no compile had a prediction to hold it against yet"
+        hit, of = self.cell_hits()
+        return (f"HBM predicted within {statistics.median(errs):.1%} (median) and {max(errs):.1%} (largest) of "
+                f"the compiler's on {len(errs)} compiles, each predicted before it ran; first predictions: {hit} "
+                f"of {of} cells found were the answer")
+
+    def times(self) -> dict[str, float]:
+        """Where the plan's time went: tracing, compiles stopped at the buffer assignment, full compiles, the
+        rest (building the models, the kit), in seconds."""
+        trace_s = sum(p.trace_s for p in self.points)
+        planned = sum(p.compile_s for p in self.points if p.source == PLANNED)
+        full = sum(p.compile_s for p in self.points if p.source == DECIDED)
+        return {"trace": trace_s, "buffer assignment": planned, "full compiles": full,
+                "other": max(0.0, self.wall_s - trace_s - planned - full)}
+
+    def rows(self) -> list[list[str]]:
+        """The table: a header row, then one row per mode (its cells, then its longest sequence)."""
+        head = ["mode"] + [str(n) for n in self.lengths] + ["longest at batch 1"]
+        body = [[m] + [self.cell(m, n).text() for n in self.lengths] + [self.longest_of(m).text(longest=True)]
+                for m in self.modes]
+        return [head] + body
+
+    def _head(self) -> str:
+        n = len(self.points)
+        return (f"tpukit.plan({self.model}) on {self.target} ({gb(self.hbm_limit_bytes)} usable per chip) by "
+                f"{self.compiler or 'the TPU compiler'}: {n} compile{'s' if n != 1 else ''}, "
+                f"{self.wall_s / 60:.1f} min")
+
+    def legend(self) -> str:
+        """What the marks mean."""
+        return ("fits: compiled, with its arguments, outputs and temporaries within the usable HBM at once. "
+                "c: the compiler decided it (a full compile fitted that size and not the next); b: the "
+                "compiler's buffer assignment fits that size and not the next; p: predicted from the compiles "
+                "made (~)")
+
+    def _tail(self) -> list[str]:
+        t = self.times()
+        lines = [self.error_text(),
+                 "time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items())]
+        if self.stopped:
+            lines.append(f"{self.stopped}: the best answer so far")
+        return lines + list(self.notes)
+
+    def __str__(self) -> str:
+        rows = self.rows()
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        table = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        return "\n".join([self._head(), "largest batch (rows) per sequence length (tokens):", *table,
+                          self.legend(), *self._tail()])
+
+    def _repr_html_(self) -> str:
+        rows = self.rows()
+        style = {DECIDED: "font-weight:bold", PLANNED: "", PREDICTED: "color:#888;font-style:italic"}
+
+        def td(mode: str, i: int, text: str) -> str:
+            cell = (self.cell(mode, self.lengths[i - 1]) if 0 < i <= len(self.lengths)
+                    else self.longest_of(mode) if i else None)
+            css = style[cell.how] if cell is not None else ""
+            return f'<td style="{css}">{html.escape(text)}</td>'
+
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
+        body = "".join("<tr>" + "".join(td(r[0], i, c) for i, c in enumerate(r)) + "</tr>" for r in rows[1:])
+        foot = "".join(f"<div>{html.escape(x)}</div>" for x in [self.legend(), *self._tail()])
+        return (f"<div><b>{html.escape(self._head())}</b><div>largest batch (rows) per sequence length "
+                f"(tokens)</div><table><tr>{head}</tr>{body}</table>{foot}</div>")
+
+    def chart(self, ax: Any = None) -> Any:
+        """A matplotlib chart of the largest batch against the sequence length, a line per mode; a cell the
+        compiler decided or planned is a filled marker, a predicted one hollow. Returns the axes."""
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            ax = plt.subplots(figsize=(6, 3.5))[1]
+        for m in self.modes:
+            cells = [self.cell(m, n) for n in self.lengths]
+            line, = ax.plot(self.lengths, [c.batch for c in cells], label=m)
+            for c in cells:
+                ax.plot(c.length, c.batch, "o", color=line.get_color(),
+                        fillstyle="none" if c.how == PREDICTED else "full")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(self.lengths), [str(n) for n in self.lengths])
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel("largest batch (rows)")
+        ax.set_title(f"{self.model} on {self.target}", fontsize=10)
+        ax.legend(fontsize=8)
+        return ax
+
+
+class _Grid:
+    """The sizes tried along one axis: multiples of ``unit`` up to ``8 * unit`` then of ``8 * unit`` (batches),
+    or of ``unit`` up to ``wide_from`` then of ``wide`` (lengths), between ``unit`` and ``top``."""
+
+    def __init__(self, unit: int, wide_from: int, wide: int, top: int | None = None):
+        self.unit, self.wide_from, self.wide, self.top = unit, wide_from, wide, top
+
+    def step(self, n: int) -> int:
+        return self.unit if n < self.wide_from else self.wide
+
+    def floor(self, x: float) -> int:
+        """The largest size at most ``x`` (0 when below the first)."""
+        if x < self.unit:
+            return 0
+        x = min(x, self.top) if self.top else x
+        s = self.step(int(x))
+        return int(x) // s * s
+
+    def next(self, n: int) -> int | None:
+        up = n + self.step(n) if n else self.unit
+        return None if self.top and up > self.top else up
+
+    def prev(self, n: int) -> int:
+        if n <= self.unit:
+            return 0
+        return n - self.step(n - 1)
+
+
+def held_bytes(est: TpuEstimate) -> int | None:
+    """What the chip must hold at once while the step runs: the buffer assignment's allocations (a compile
+    stopped there), else the compiled program's arguments + outputs + temporaries + code - donated; None for a
+    refusal (its need counts the program alone)."""
+    if est.hbm_source == PLANNED:
+        return est.hbm_bytes
+    if not est.fits or est.temp_bytes is None:
+        return None
+    return est.arguments_bytes + est.outputs_bytes + est.temp_bytes + est.code_bytes - est.aliased_bytes
+
+
+def holds(est: TpuEstimate) -> bool:
+    """Whether the step fits, as the plan counts it: the compiler compiled it (or its buffer assignment) and
+    what the chip must hold at once (:func:`held_bytes`) is within the usable HBM. The compile-only compiler
+    weighs the program's temporaries against the limit and lists the outputs beside them (a Llama-3.2-1B step,
+    1 x 2048 tokens: compiled with 9.4 GB of temporaries and 19.3 GB in all, over a v5e's 16 GiB); a real
+    chip's runtime does not accept that (mT5-base, 8 x 1024: compiled here at 18.3 GB in all, refused on a
+    v5e, "Used 19.22G of 15.75G": bench/oom_reports.py)."""
+    held = held_bytes(est)
+    return est.fits and held is not None and held <= est.hbm_limit_bytes
+
+
+def _fit(points: Sequence[tuple[int, int, int]]) -> tuple[float, float, float] | None:
+    """(F, a, c) of ``hbm = F + b * (a * n + c * n**2)`` by least squares over (batch, length, hbm) points: all
+    three from three points or more, (F, a) with c = 0 from two, None from fewer. Terms that come out negative
+    are dropped and the rest fitted again."""
+    import numpy as np
+
+    pts = [(b, n, y) for b, n, y in points if y]
+    if len({(b * n, b * n * n) for b, n, _ in pts}) < 2:
+        return None
+    cols = [0, 1, 2] if len({(b * n, b * n * n) for b, n, _ in pts}) >= 3 else [0, 1]
+    x_all = np.array([[1.0, b * n, b * n * n] for b, n, _ in pts])
+    y = np.array([float(v) for *_, v in pts])
+    while True:
+        sol = np.linalg.lstsq(x_all[:, cols], y, rcond=None)[0]
+        coef = dict(zip(cols, sol))
+        bad = [k for k in cols if k and coef[k] < 0]
+        if not bad:
+            return coef.get(0, 0.0), coef.get(1, 0.0), coef.get(2, 0.0)
+        cols = [k for k in cols if k not in bad]
+        if cols == [0]:
+            return None
+
+
+def _hbm(model: tuple[float, float, float], b: int, n: int) -> float:
+    f, a, c = model
+    return f + b * (a * n + c * n * n)
+
+
+def _largest_batch(model: tuple[float, float, float], n: int, limit: float) -> float:
+    f, a, c = model
+    per_row = a * n + c * n * n
+    return (limit - f) / per_row if per_row > 0 else math.inf
+
+
+def _longest(model: tuple[float, float, float], limit: float) -> float:
+    f, a, c = model
+    room = limit - f
+    if room <= 0:
+        return 0.0
+    if c <= 0:
+        return room / a if a > 0 else math.inf
+    return (-a + math.sqrt(a * a + 4 * c * room)) / (2 * c)
+
+
+def _edge(fits: Callable[[int], bool], predict: Callable[[], float], grid: _Grid) -> tuple[int, int | None]:
+    """(the largest size that fits, the size above it that did not: None at the grid's top) along ``grid``,
+    starting where ``predict()`` says the edge is and asking it again after each answer (it refits): while
+    nothing was refused it climbs to the prediction (4x at most, one step at least), then it tries the
+    prediction inside the gap, else the gap's middle."""
+    lo, hi = 0, None
+    b = max(grid.floor(_finite(predict(), grid.unit)), grid.unit)
+    while True:
+        if fits(b):
+            lo = b
+        else:
+            hi = b
+        up = grid.next(lo)
+        if up is None or up == hi:
+            return lo, hi
+        g = grid.floor(_finite(predict(), 4 * max(lo, grid.unit)))
+        if hi is None:
+            b = grid.floor(min(g, 4 * lo))
+            b = b if b > lo else up
+        else:
+            b = g if lo < g < hi else grid.floor((lo + hi) / 2)
+            if not lo < b < hi:
+                b = up if lo else grid.prev(hi)
+
+
+def _finite(x: float, otherwise: float) -> float:
+    return x if math.isfinite(x) else otherwise
+
+
+def plan(model: Any, target: str | Target | None = None, *, lengths: Sequence[int] = LENGTHS,
+         modes: Sequence[str] = MODES, compiler: str | Compiler | None = None, dtype: Any = None,
+         lora: dict | None = None, verify: bool = True, budget: float | None = None,
+         progress: bool = True) -> Plan:
+    """Will a decoder LM's fine-tune fit ``target``: the largest batch per sequence length and the longest
+    sequence at batch 1, per mode, by the TPU compiler, as one :class:`Plan` (text, HTML, ``.chart()``).
+
+    ``model``: a transformers config (``AutoConfig.from_pretrained("meta-llama/Llama-3.2-1B")``) or a function
+    that builds the model; it is built on the ``meta`` device with placeholders for its weights, so the host
+    never holds them (see :mod:`.modes`). ``modes``: ``"full"``, ``"lora"`` and their options ``+ckpt``,
+    ``+bf16``, ``+fsdp`` (over the target's chips; the batch is then the global one). ``dtype``: the weights'
+    (default: the config's, else float32). ``lora``: peft ``LoraConfig`` options (default r=16, alpha=32, peft's
+    target modules for the model). ``verify``: decide one cell per mode by full compiles (the rest by the
+    buffer assignment; False: none). ``budget``: seconds; when they run out the plan ends with the best answer
+    so far and :attr:`Plan.stopped` says so. ``progress``: show what is compiling and the cells found so far.
+    """
+    tgt, comp = resolve(target, compiler)
+    parsed = [Mode.parse(m) for m in modes]
+    lengths = tuple(sorted({int(n) for n in lengths}))
+    if not lengths or lengths[0] < 1:
+        raise ValueError("lengths: positive sequence lengths, e.g. (512, 1024, 2048)")
+    name = model_name(model)
+    with _progress.job(f"tpukit.plan({name}) for {tgt.name}", budget, progress) as job:
+        return _Planner(model, tgt, comp, parsed, lengths, dtype, lora, job, name).run(verify)
+
+
+class _Planner:
+    """One plan's state: the built modes, the compiles so far, the cells."""
+
+    def __init__(self, model: Any, tgt: Target, comp: Compiler, modes: list[Mode], lengths: tuple[int, ...],
+                 dtype: Any, lora: dict | None, job: Any, name: str):
+        self.model, self.tgt, self.comp, self.modes, self.lengths = model, tgt, comp, modes, lengths
+        self.dtype, self.lora, self.job, self.name = dtype, lora, job, name
+        self.began = time.monotonic()
+        self.points: list[Point] = []
+        self.built: dict[str, Built] = {}
+        self.cells: dict[tuple[str, int], Cell] = {}
+        self.longest: dict[str, Cell] = {}
+        self.first: dict[tuple[str, int], int] = {}  # the first prediction of each cell (length -1: longest)
+        self.compiler = ""
+        self.limit = int(tgt.usable_hbm_bytes)
+        self.notes: list[str] = []
+
+    # -- compiles --------------------------------------------------------------------------------------------
+    def _mode(self, mode: Mode) -> Built:
+        if mode.name not in self.built:
+            made = build(self.model, mode, self.dtype, self.lora)
+            begin(made.step, (), {}, self.comp, "tpukit.plan")
+            self.built[mode.name] = made
+        return self.built[mode.name]
+
+    def _at(self, mode: Mode, b: int, n: int, full: bool = False) -> Point:
+        """The compile of ``mode`` at batch ``b`` and length ``n`` (planned, or ``full``), recorded; a size
+        already answered the same way is not compiled again."""
+        source = DECIDED if full else PLANNED
+        for p in self.points:
+            if (p.mode, p.batch, p.length, p.source) == (mode.name, b, n, source):
+                return p
+        made = self._mode(mode)
+        import torch
+
+        model = self._model(mode.name)
+        predicted = int(_hbm(model, b, n)) if model is not None else None
+        t0 = time.monotonic()
+        traced = trace(made.step, (torch.randint(0, made.vocab, (b, n)),), {})
+        traced_s = time.monotonic() - t0
+        est: TpuEstimate = ask(traced, self.tgt, self.comp, made.step.__qualname__,
+                               self.tgt.chips if mode.fsdp else 1, what=f"{mode.name} batch {b} x {n}",
+                               early=not full)
+        self.compiler = est.compiler or self.compiler
+        if est.status not in ("fits", "too big"):
+            raise RuntimeError(f"tpukit.plan: the TPU compiler did not answer {mode.name} at batch {b} x {n}: "
+                               f"{est.message}")
+        point = Point(mode.name, b, n, holds(est), held_bytes(est), source, predicted, traced_s,
+                      float(est.compile_s or 0.0))
+        self.points.append(point)
+        return point
+
+    def _model(self, mode: str) -> tuple[float, float, float] | None:
+        return _fit([(p.batch, p.length, p.hbm_bytes) for p in self.points if p.mode == mode and p.hbm_bytes])
+
+    # -- rounds ----------------------------------------------------------------------------------------------
+    def run(self, verify: bool) -> Plan:
+        stopped = ""
+        try:
+            for mode in self.modes:  # round 1: design points, every cell predicted
+                u = self._unit(mode)
+                lo, mid, hi = self.lengths[0], self.lengths[len(self.lengths) // 2], self.lengths[-1]
+                for b, n in ((u, lo), (u, hi), (2 * u, mid if mid != lo else hi)):
+                    self._at(mode, b, n)
+                self._predict(mode)
+                self._best()
+            for mode in self.modes:  # round 2: each cell's edge by buffer assignments
+                for n in self.lengths:
+                    self._cell(mode, n, full=False)
+                    self._best()
+                self._long(mode, full=False)
+                self._best()
+            if verify:  # round 3: one cell per mode by full compiles
+                for mode in self.modes:
+                    self._verify(mode)
+                    self._best()
+        except BudgetSpent:
+            why = f"stopped by the time budget ({self.job.budget_s:g} s)" if self.job.budget_s else "stopped"
+            stopped = f"{why} after {len(self.points)} compiles"
+            self.job.note = f"{stopped}: the best answer so far"
+        for mode in self.modes:  # whatever was not reached is predicted
+            if any(p.mode == mode.name for p in self.points):
+                self._predict(mode)
+        return self._plan(stopped)
+
+    def _unit(self, mode: Mode) -> int:
+        return self.tgt.chips if mode.fsdp else 1
+
+    def _grids(self, mode: Mode) -> tuple[_Grid, _Grid]:
+        made = self.built.get(mode.name)
+        top = made.max_length if made is not None and made.max_length else None
+        return _Grid(self._unit(mode), 8 * self._unit(mode), 8 * self._unit(mode)), _Grid(256, 8192, 1024, top)
+
+    def _predict(self, mode: Mode) -> None:
+        """Predict the cells of ``mode`` not yet searched (and remember each cell's first prediction)."""
+        model = self._model(mode.name)
+        batches, lengths = self._grids(mode)
+        for n in self.lengths:
+            guess = batches.floor(_largest_batch(model, n, self.limit)) if model else 0
+            self.first.setdefault((mode.name, n), guess)
+            if (mode.name, n) not in self.cells or self.cells[mode.name, n].how == PREDICTED:
+                self.cells[mode.name, n] = Cell(mode.name, n, guess, PREDICTED, None, self.first[mode.name, n])
+        guess = lengths.floor(_longest(model, self.limit)) if model else 0
+        self.first.setdefault((mode.name, -1), guess)
+        if mode.name not in self.longest or self.longest[mode.name].how == PREDICTED:
+            self.longest[mode.name] = Cell(mode.name, guess, 1 if guess else 0, PREDICTED, None,
+                                           self.first[mode.name, -1])
+
+    def _near(self, mode: str, on: Callable[[Point], bool], x: Callable[[Point], int], otherwise: float) -> float:
+        """Where the HBM reaches the limit along one axis (a length's batches, batch 1's lengths): the secant
+        through the two compiles on it nearest the limit (the HBM bends near a full chip, where the compiler
+        recomputes to save memory: the model of the whole mode does not see it), else ``otherwise``."""
+        on_axis = {x(p): p.hbm_bytes for p in self.points if p.mode == mode and p.hbm_bytes and on(p)}
+        if len(on_axis) < 2:
+            return otherwise
+        (x1, y1), (x2, y2) = sorted(sorted(on_axis.items(), key=lambda kv: abs(kv[1] - self.limit))[:2])
+        if y2 <= y1:
+            return otherwise
+        return x1 + (self.limit - y1) * (x2 - x1) / (y2 - y1)
+
+    def _cell(self, mode: Mode, n: int, full: bool) -> None:
+        batches, _ = self._grids(mode)
+
+        def predict() -> float:  # asked again after every answer
+            model = self._model(mode.name)
+            whole = _largest_batch(model, n, self.limit) if model else batches.unit
+            return self._near(mode.name, lambda p: p.length == n, lambda p: p.batch, whole)
+
+        lo, hi = _edge(lambda b: self._at(mode, b, n, full).fits, predict, batches)
+        self.cells[mode.name, n] = Cell(mode.name, n, lo, DECIDED if full else PLANNED, hi,
+                                        self.first.get((mode.name, n), lo))
+
+    def _long(self, mode: Mode, full: bool) -> None:
+        _, lengths = self._grids(mode)
+        u = self._unit(mode)
+
+        def predict() -> float:
+            model = self._model(mode.name)
+            whole = _longest(model, self.limit) if model else lengths.unit
+            return self._near(mode.name, lambda p: p.batch == u, lambda p: p.length, whole)
+
+        lo, hi = _edge(lambda n: self._at(mode, u, n, full).fits, predict, lengths)
+        self.longest[mode.name] = Cell(mode.name, lo, u if lo else 0, DECIDED if full else PLANNED, hi,
+                                       self.first.get((mode.name, -1), lo))
+
+    def _verify(self, mode: Mode) -> None:
+        """Decide one cell of ``mode`` by full compiles: the shortest length whose planned edge has a size that
+        fits and one refused (their compiles are the cheapest). A full verdict that differs from the buffer
+        assignment's is said in the notes, and the cell searched again by full compiles."""
+        for n in self.lengths:
+            c = self.cells.get((mode.name, n))
+            if c is None or c.how != PLANNED or not c.batch or c.refused is None:
+                continue
+            lo, hi = self._at(mode, c.batch, n, True), self._at(mode, c.refused, n, True)
+            if lo.fits and not hi.fits:
+                self.cells[mode.name, n] = Cell(mode.name, n, c.batch, DECIDED, c.refused, c.predicted)
+            else:
+                self.notes.append(f"{mode.name} at {n} tokens: the full compile {'fitted' if hi.fits else 'refused'} "
+                                  f"batch {c.refused if hi.fits else c.batch}, which the buffer assignment "
+                                  f"{'did not' if hi.fits else 'did'}: searched again by full compiles")
+                self._cell(mode, n, full=True)
+            return
+
+    # -- the answer ------------------------------------------------------------------------------------------
+    def _best(self) -> None:
+        found = sum(c.how != PREDICTED for c in self.cells.values())
+        self.job.best(f"{found} of {len(self.modes) * len(self.lengths)} cells found, {len(self.points)} compiles")
+
+    def _plan(self, stopped: str) -> Plan:
+        cells = tuple(self.cells.get((m.name, n), Cell(m.name, n, 0, PREDICTED, None, 0))
+                      for m in self.modes for n in self.lengths)
+        longest = tuple(self.longest.get(m.name, Cell(m.name, 0, 0, PREDICTED, None, 0)) for m in self.modes)
+        params = {k: (b.parameters, b.trained) for k, b in self.built.items()}
+        return Plan(self.name, self.tgt.name, self.compiler, self.limit, self.lengths,
+                    tuple(m.name for m in self.modes), cells, longest, tuple(self.points),
+                    time.monotonic() - self.began, params, stopped, tuple(self.notes))
