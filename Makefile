@@ -156,15 +156,17 @@ test-unit: $(STAMP)
 # with notebook 09's new sections and the TPU compiler tests in part 2, lane 1 took 3353 s and lane 2 3734 s,
 # so test_tpu_memory (about 130-200 s of TPU compiles) runs in part 1; with this round's LLM, FSDPv2 and
 # progress tests, lane 1 took 1850 s and lane 2 2056 s here (a fresh clone, warm caches), so test_tpu_progress
-# (35 s) runs in part 1 too.
+# (35 s) runs in part 1 too, and test_tpu_plan (about 3 minutes of TPU compiles) with it. Each part prints its
+# 25 slowest tests (--durations), so that a run's log says where its time went.
 # In this order: the simulated slice's Ray cluster (test_pod) starts after lane 3's install of .venv-colab
 # is over (under an install beside two lanes a Ray node's agents once took longer than its raylet waited).
 UNIT_PART1 := $(addprefix tests/test_,checkpoint_scale.py checkpoint_hardening.py tpu.py tpu_memory.py \
-	tpu_progress.py platform.py cells.py parallel.py pod.py)
+	tpu_progress.py tpu_plan.py platform.py cells.py parallel.py pod.py)
 test-unit-part1: $(STAMP)
-	$(WITH_TEST_FLAGS) $(VPY) -m pytest $(UNIT_PART1) -q -p no:cacheprovider $(NOFH)
+	$(WITH_TEST_FLAGS) $(VPY) -m pytest $(UNIT_PART1) -q -p no:cacheprovider $(NOFH) --durations=25
 test-unit-part2: $(STAMP)
-	$(WITH_TEST_FLAGS) $(VPY) -m pytest tests -q -p no:cacheprovider $(NOFH) --ignore=tests/e2e $(addprefix --ignore=,$(UNIT_PART1))
+	$(WITH_TEST_FLAGS) $(VPY) -m pytest tests -q -p no:cacheprovider $(NOFH) --ignore=tests/e2e $(addprefix --ignore=,$(UNIT_PART1)) \
+		--durations=25
 
 # The fast lane, for every change while working: tests/conftest.py marks each test by what it uses
 # (pyproject.toml lists the markers); everything heavy is deselected. make test still runs it all.

@@ -11,7 +11,8 @@ Two rooms, along the process line:
   :mod:`.recorded` (:func:`compile_graph` of a graph the kit recorded) and :mod:`.followers` (every recorded
   graph, in the background) all call it; :mod:`.memory` and :mod:`.dump` say why (the HBM at the peak by
   kind and line), :mod:`.advice` what to change (one list, each checked by a compile); :mod:`.plan`
-  (:func:`plan`) answers for a decoder LM in its fine-tuning modes (:mod:`.modes`), per sequence length.
+  (:func:`plan`) answers for a decoder LM in its fine-tuning modes (:mod:`.modes`), per sequence length, as
+  one table (:mod:`.table`).
 
 The public names below are bound on first use (importing :mod:`.compiler` alone, as the runtime does, loads
 nothing of this side). The parent process never imports jax or libtpu; only :mod:`.compiler._jax`, in the
@@ -35,11 +36,11 @@ _WHERE = {
     "RUNTIMES": "compiler", "Compiler": "compiler", "CompilerError": "compiler", "Refusal": "compiler",
     "available": "compiler", "versions": "compiler", "cache_dir": "compiler", "cache_info": "compiler",
     "TpuCompilerMissingError": "compiler", "WorkerError": "compiler", "CompilerEnvError": "compiler",
-    "BudgetSpent": "compiler", "TpuProgress": "progress", "plan": "plan", "Plan": "plan",
+    "BudgetSpent": "compiler", "TpuProgress": "progress", "plan": "plan", "Plan": "table",
 }
 __all__ = list(_WHERE)
 _MODULES = ("trace", "outcome", "progress", "dump", "memory", "ask", "search", "advice", "estimate", "compare", "recorded",
-            "followers", "tools", "modes", "plan")
+            "followers", "tools", "modes", "table", "plan")
 
 
 def _load() -> None:
