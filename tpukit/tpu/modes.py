@@ -72,11 +72,17 @@ def model_name(model: Any) -> str:
     return (arch[0] if arch else None) or getattr(cfg, "model_type", None) or getattr(model, "__qualname__", "model")
 
 
-def build(model: Any, mode: Mode, dtype: Any = None, lora: dict | None = None) -> Built:
+OPTIMIZERS = ("adamw", "adafactor")
+
+
+def build(model: Any, mode: Mode, dtype: Any = None, lora: dict | None = None, optimizer: str = "adamw") -> Built:
     """The mode's model and step. ``model``: a transformers config (built with ``AutoModelForCausalLM``) or
     a function returning the model (called on the ``meta`` device). ``dtype``: the weights' dtype (None: the
     config's, else float32; ``+bf16`` casts to bfloat16). ``lora``: peft ``LoraConfig`` options over
-    :data:`LORA_DEFAULTS`."""
+    :data:`LORA_DEFAULTS`. ``optimizer``: ``"adamw"`` (torch's AdamW) or ``"adafactor"`` (transformers'
+    Adafactor as the Trainer's ``optim="adafactor"`` makes it: no relative step, no parameter scaling)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r}: one of {', '.join(OPTIMIZERS)}")
     import torch
 
     with torch.device("meta"):
@@ -99,7 +105,12 @@ def build(model: Any, mode: Mode, dtype: Any = None, lora: dict | None = None) -
     _xla.placeholders(m)  # a tie made on meta stays one parameter
     m.train()
     trained = [p for p in m.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trained, lr=1e-4)
+    if optimizer == "adafactor":
+        from transformers.optimization import Adafactor
+
+        opt = Adafactor(trained, lr=1e-4, scale_parameter=False, relative_step=False)
+    else:
+        opt = torch.optim.AdamW(trained, lr=1e-4)
     found = layers([m])[1] if mode.ckpt else []
     if mode.ckpt and not found:
         raise ValueError(f"mode {mode.name!r}: the model has no repeated layers to checkpoint")

@@ -162,19 +162,20 @@ def _finite(x: float, otherwise: float) -> float:
 
 def plan(model: Any, target: str | Target | None = None, *, lengths: Sequence[int] = LENGTHS,
          modes: Sequence[str] = MODES, compiler: str | Compiler | None = None, dtype: Any = None,
-         lora: dict | None = None, verify: bool = True, budget: float | None = None,
+         lora: dict | None = None, optimizer: str = "adamw", verify: bool = True, budget: float | None = None,
          progress: bool = True) -> Plan:
     """Will a decoder LM's fine-tune fit ``target``: the largest batch per sequence length and the longest
-    sequence at batch 1, per mode, by the TPU compiler, as one :class:`Plan` (text, HTML, ``.chart()``).
+    sequence at batch 1, per mode, by the TPU compiler, as one :class:`~.table.Plan` (text, HTML, ``.chart()``).
 
     ``model``: a transformers config (``AutoConfig.from_pretrained("meta-llama/Llama-3.2-1B")``) or a function
     that builds the model; it is built on the ``meta`` device with placeholders for its weights, so the host
     never holds them (see :mod:`.modes`). ``modes``: ``"full"``, ``"lora"`` and their options ``+ckpt``,
     ``+bf16``, ``+fsdp`` (over the target's chips; the batch is then the global one). ``dtype``: the weights'
     (default: the config's, else float32). ``lora``: peft ``LoraConfig`` options (default r=16, alpha=32, peft's
-    target modules for the model). ``verify``: decide one cell per mode by full compiles (the rest by the
-    buffer assignment; False: none). ``budget``: seconds; when they run out the plan ends with the best answer
-    so far and :attr:`Plan.stopped` says so. ``progress``: show what is compiling and the cells found so far.
+    target modules for the model). ``optimizer``: ``"adamw"`` or ``"adafactor"`` (:func:`.modes.build`).
+    ``verify``: decide one cell per mode by full compiles (the rest by the buffer assignment; False: none).
+    ``budget``: seconds; when they run out the plan ends with the best answer so far and ``Plan.stopped`` says
+    so. ``progress``: show what is compiling and the cells found so far.
     """
     tgt, comp = resolve(target, compiler)
     parsed = [Mode.parse(m) for m in modes]
@@ -183,16 +184,16 @@ def plan(model: Any, target: str | Target | None = None, *, lengths: Sequence[in
         raise ValueError("lengths: positive sequence lengths, e.g. (512, 1024, 2048)")
     name = model_name(model)
     with _progress.job(f"tpukit.plan({name}) for {tgt.name}", budget, progress) as job:
-        return _Planner(model, tgt, comp, parsed, lengths, dtype, lora, job, name).run(verify)
+        return _Planner(model, tgt, comp, parsed, lengths, dtype, lora, job, name, optimizer).run(verify)
 
 
 class _Planner:
     """One plan's state: the built modes, the compiles so far, the cells."""
 
     def __init__(self, model: Any, tgt: Target, comp: Compiler, modes: list[Mode], lengths: tuple[int, ...],
-                 dtype: Any, lora: dict | None, job: Any, name: str):
+                 dtype: Any, lora: dict | None, job: Any, name: str, optimizer: str = "adamw"):
         self.model, self.tgt, self.comp, self.modes, self.lengths = model, tgt, comp, modes, lengths
-        self.dtype, self.lora, self.job, self.name = dtype, lora, job, name
+        self.dtype, self.lora, self.job, self.name, self.optimizer = dtype, lora, job, name, optimizer
         self.began = time.monotonic()
         self.points: list[Point] = []
         self.built: dict[str, Built] = {}
@@ -206,7 +207,7 @@ class _Planner:
     # -- compiles --------------------------------------------------------------------------------------------
     def _mode(self, mode: Mode) -> Built:
         if mode.name not in self.built:
-            made = build(self.model, mode, self.dtype, self.lora)
+            made = build(self.model, mode, self.dtype, self.lora, self.optimizer)
             begin(made.step, (), {}, self.comp, "tpukit.plan")
             self.built[mode.name] = made
         return self.built[mode.name]
