@@ -344,9 +344,10 @@ class _Planner:
             if lo.fits and not hi.fits:
                 self.cells[mode.name, n] = Cell(mode.name, n, c.batch, DECIDED, c.refused, c.predicted)
             else:
-                self.notes.append(f"{mode.name} at {n} tokens: the full compile {'fitted' if hi.fits else 'refused'} "
-                                  f"batch {c.refused if hi.fits else c.batch}, which the buffer assignment "
-                                  f"{'did not' if hi.fits else 'did'}: searched again by full compiles")
+                size = c.refused if hi.fits else c.batch
+                self.notes.append(f"{mode.name} at {n} tokens: batch {size} {'fits' if hi.fits else 'does not fit'} "
+                                  f"by the full compile, where the buffer assignment said it "
+                                  f"{'does not' if hi.fits else 'does'}: searched again by full compiles")
                 self._cell(mode, n, full=True)
             return
 
