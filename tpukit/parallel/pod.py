@@ -29,7 +29,8 @@ log = logging.getLogger("tpukit")
 
 _WAIT_S = 0.5          # longest wait for a host's next message (Ctrl-C is seen at least this often)
 _CANCEL_GRACE_S = 30.0  # how long cancelled tasks get to end before the slice is released anyway
-_IDENTIFY_S = 15.0     # how long Ray's task table may take to record which node a task that died ran on
+_IDENTIFY_S = 60.0     # how long Ray's task table may take to record which node a task that died ran on (15 s was too
+                      # short once, in CI under two test lanes: the error said "a host")
 _NODE_TASK_S = 120.0   # how long a small task on one host may take (a dead host's last output, which host a
                        # dead task ran on): a new Ray worker on a busy host takes that long. Asked only after
                        # the other hosts' tasks were cancelled.
