@@ -57,8 +57,8 @@ def ask(traced: Traced, tgt: Target, comp: Compiler, name: str = "step", shard_o
     compiler's message). ``dump``: with the compiler's dump, the fitting step's ``memory`` breakdown by kind
     and source line (kept with its answer). ``early``: stop the compile once its buffer assignment is written
     (:func:`_planned`): the HBM it allocates, before code generation (most of the time), is the answer
-    (``hbm_source`` :data:`~.outcome.PLANNED`); a compile that ends first answers as it ends. Inside a public call's job (:mod:`.progress`) the compile is
-    reported as ``what`` (default: the step's name) and bounded by the job's budget
+    (``hbm_source`` :data:`~.outcome.PLANNED`); a compile that ends first answers as it ends. Inside a public
+    call's job (:mod:`.progress`) the compile is reported as ``what`` (default: the step's name) and bounded by the job's budget
     (:class:`~.compiler.worker.BudgetSpent`). Raises only when no compiler can answer (the worker died, the
     compiler is missing) or the budget ran out."""
     parts = traced.num_partitions
@@ -132,12 +132,9 @@ def _planned(request: worker.Request, deadline: float | None = None) -> dict:
 def planned(reply: dict, target: Target, name: str = "step") -> TpuEstimate:
     """The :class:`TpuEstimate` of a compile stopped at its buffer assignment: the HBM it allocates held
     against the usable HBM (fits when within it; the code, a few tens of MB, is not counted yet)."""
-    found = reply.get("compiler") or {}
     need, limit = int(reply["planned_bytes"]), int(target.usable_hbm_bytes)
     return TpuEstimate(target.name, FITS if need <= limit else TOO_BIG, limit, need, PLANNED,
-                       compile_s=float(reply.get("until_s", 0.0)), compiler=describe(found),
-                       compiler_note=mismatch(found), compiler_name=reply.get("compiler_name", ""),
-                       chip_note=chip_note(target),
+                       compile_s=float(reply.get("until_s", 0.0)), **_answered_by(reply, target),
                        note=(f"{name}: the compiler's buffer assignment (the compile stopped there, before its "
                              "code generation): every HBM allocation but the program's code"))
 
@@ -146,9 +143,7 @@ def outcome(reply: dict, target: Target, name: str = "step", traced: Traced | No
     """The :class:`TpuEstimate` of a worker's reply: the compiler's verdict (compiled is FITS whatever the sum
     of its buffers), the usable HBM its refusal names (else the chip's figure of it), the refusal read once
     (with its breakdown by kind and line), the compiler that answered."""
-    found = reply.get("compiler") or {}
-    named = {"compiler": describe(found), "compiler_note": mismatch(found),
-             "compiler_name": reply.get("compiler_name", ""), "chip_note": chip_note(target)}
+    named = _answered_by(reply, target)
     error = reply.get("error")
     if error is not None:
         refusal = parse(error) if is_memory_refusal(error) else None
@@ -173,6 +168,14 @@ def outcome(reply: dict, target: Target, name: str = "step", traced: Traced | No
                        reply["code_bytes"], float(reply["compile_s"]), float(reply["flops"]),
                        float(reply["bytes_accessed"]), max(compute_s, memory_s),
                        "compute" if compute_s >= memory_s else "memory", **named)
+
+
+def _answered_by(reply: dict, target: Target) -> dict:
+    """The fields of a :class:`TpuEstimate` that say who answered: the compiler, its note, the name it was
+    asked by, and the chip's note."""
+    found = reply.get("compiler") or {}
+    return {"compiler": describe(found), "compiler_note": mismatch(found),
+            "compiler_name": reply.get("compiler_name", ""), "chip_note": chip_note(target)}
 
 
 def chip_note(target: Target) -> str | None:
