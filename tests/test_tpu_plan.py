@@ -40,8 +40,15 @@ def test_a_mode_is_a_base_and_options_and_a_wrong_one_says_what_is_known():
     assert (m.name, m.base, m.ckpt, m.bf16, m.fsdp) == ("lora+ckpt", "lora", True, False, False)
     with pytest.raises(ValueError, match="starts with one of full, lora"):
         modes.Mode.parse("qlora")
-    with pytest.raises(ValueError, match=r"unknown option\(s\) flash.*ckpt, bf16, fsdp"):
-        modes.Mode.parse("full+flash")
+    with pytest.raises(ValueError, match=r"unknown option\(s\) qkv.*ckpt, bf16, autocast, chunk, eager, flash"):
+        modes.Mode.parse("full+qkv")
+    f = modes.Mode.parse("lora+ckpt+flash")
+    assert (f.flash, f.eager, f.attention) == (True, False, modes.FLASH)
+    assert modes.Mode.parse("full+autocast+eager").attention == "eager"
+    with pytest.raises(ValueError, match="one attention at a time"):
+        modes.Mode.parse("full+eager+flash")
+    with pytest.raises(ValueError, match="partition_spec"):
+        modes.Mode.parse("lora+flash+fsdp")
 
 
 def test_placeholder_weights_give_the_same_program_as_real_ones(rt):
@@ -143,3 +150,63 @@ def test_a_time_budget_ends_a_plan_with_its_best_answer_and_says_so(rt):
     assert p.points and all(c.how in (PREDICTED, PLANNED) for c in p.cells), p.cells
     if len({(q.batch, q.length) for q in p.points}) >= 2:  # enough for a model: the rest is predicted from it
         assert any(c.how == PREDICTED and c.batch > 0 for c in p.cells + p.longest), p
+
+
+def test_checkpointed_layers_recompute_without_the_key_value_cache(rt):
+    # A decoder in training mode still makes a key/value cache unless use_cache=False (the Trainer's and the
+    # guide's loops pass only input_ids and labels): the checkpoint's recompute would append each layer's keys
+    # a second time, and eager attention then adds the mask to scores twice as long (it raised in the
+    # backward). Checkpointed, the step runs on XLA:CPU and gives the loss and gradients of the plain step.
+    from tpukit import rewrites
+
+    cfg = config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=320, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(_xla.device())
+    ids = torch.randint(0, 320, (2, 16)).to(_xla.device())
+
+    def grads(checkpoint: bool):
+        model.zero_grad()
+        if checkpoint:
+            with rewrites.checkpointed(list(model.model.layers)):
+                loss = model(input_ids=ids, labels=ids).loss
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        _xla.sync()
+        return loss.item(), [p.grad.cpu().clone() for p in model.parameters()]
+
+    plain, ckpt = grads(False), grads(True)
+    assert ckpt[0] == pytest.approx(plain[0], rel=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(plain[1], ckpt[1]))
+
+
+@pytest.mark.compiler
+def test_attention_loss_and_precision_modes_are_real_steps_and_a_trap_is_said_not_raised(rt):
+    # Each option is a step the TPU compiler answers: a chunked loss below the full logits, eager attention
+    # under autocast below fp32, torch_xla's Pallas flash attention lowered for the TPU (a tpu_custom_call in
+    # the program, written at the Mosaic version this libtpu reads). sdpa under autocast is the stack's trap
+    # (it raises as the user's loop would): that mode is marked and explained, the others go on.
+    cfg = config(vocab_size=32000, num_attention_heads=4, num_key_value_heads=2)
+    tgt, comp = ask.resolve("v5e-1", None)
+    ids = torch.randint(0, 32000, (1, 1024))
+    hbm = {}
+    for name in ("full", "full+chunk", "full+autocast+eager"):
+        made = modes.build(cfg, modes.Mode.parse(name))
+        hbm[name] = ask.ask(trace.trace(made.step, (ids,), {}), tgt, comp, name, early=True).hbm_bytes
+    assert hbm["full+chunk"] < hbm["full"] and hbm["full+autocast+eager"] < hbm["full"], hbm
+    flash = modes.build(cfg, modes.Mode.parse("full+flash"))
+    with flash.tracing():
+        assert b"tpu_custom_call" in trace.trace(flash.step, (ids,), {}).hlo
+    p = tpukit.plan(cfg, "v5e-1", lengths=(1024,), modes=("full+flash", "full+autocast"), progress=False,
+                    verify=False)
+    assert set(p.failed) == {"full+autocast"}, p.failed
+    assert "eager attention under autocast" in p.failed["full+autocast"], p.failed
+    assert p.cell("full+autocast", 1024).how == "failed" and "- x" in str(p) and "full+autocast failed:" in str(p)
+    c = p.cell("full+flash", 1024)
+    assert c.how in (PLANNED, DECIDED) and c.batch and c.refused, p
+    # The first +flash compile runs in full (the kernel compiles after the buffer assignment): it decides
+    # whether the kernels are read as written. Kaggle's libtpu reads Mosaic up to version 4; jax 0.7.2 writes 7.
+    assert p.points[0].source == DECIDED and p.points[0].fits, p.points
+    if "libtpu 0.0.17" in p.compiler:
+        assert any("Mosaic version 4" in n for n in p.notes), p.notes

@@ -42,11 +42,19 @@ def layers(models: list) -> tuple[str, list]:
     return best[1], best[2]
 
 
+_CACHES = ("cache", "past_key_values", "past_key_value", "layer_past")  # what transformers' layers call their cache
+
+
 @contextmanager
 def checkpointed(modules: list) -> Iterator[None]:
     """Within it, each module's forward runs under torch_xla's gradient checkpointing (its activations are
     recomputed in the backward). An input must require grad for the checkpoint to make gradients: when none
-    does (the first layer's, from the batch), the first floating-point one is given ``requires_grad``."""
+    does (the first layer's, from the batch), the first floating-point one is given ``requires_grad``.
+
+    A key/value cache handed to a layer (transformers' ``past_key_values``: a decoder in training mode still
+    makes one unless ``use_cache=False``; transformers 5.24's layers call it ``cache``) is not: the recompute would append the layer's keys to it a second
+    time, and eager attention then adds a mask of the sequence to scores twice as long (transformers' own
+    ``gradient_checkpointing_enable()`` turns the cache off for the same reason)."""
     import torch
 
     saved = []
@@ -54,6 +62,7 @@ def checkpointed(modules: list) -> Iterator[None]:
         saved.append((m, m.__dict__.get("forward")))
 
         def forward(*a: Any, _forward: Callable = m.forward, **kw: Any) -> Any:
+            kw = {k: None if k in _CACHES else False if k == "use_cache" else v for k, v in kw.items()}
             fn = functools.partial(_forward, **kw) if kw else _forward
             tensors = [x for x in a if isinstance(x, torch.Tensor)]
             if torch.is_grad_enabled() and not any(t.requires_grad for t in tensors):

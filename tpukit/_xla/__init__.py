@@ -25,11 +25,12 @@ by concern:
 - :mod:`.eager`     following the eager-mode switch (one follower, set with ``eager.follow``)
 - :mod:`.ties`      tied weights the move to the device untied: found, and tied again
 - :mod:`.traps`     known failures of the stack on XLA tensors, explained (what, why, the fix)
+- :mod:`.kernels`   torch_xla's Pallas flash attention, traced for the TPU compiler on a host without a TPU
 """
 
 from __future__ import annotations
 
-from . import eager, ties, traps, versions
+from . import eager, kernels, ties, traps, versions
 from .lazy import has_pending, pending_hlo, pending_ir
 from .loader import imported_by, is_imported, torch_xla
 from .metrics import counter_names, counter_value, fallback_ops, metric_data

@@ -19,6 +19,17 @@ CHECKPOINT_ON_XLA = (
     "`with tpukit.rewrites.checkpointed(list(model.model.layers)):` (torch_xla.utils.checkpoint around each "
     "decoder layer), or use the Trainer's FSDPv2 with fsdp_config={{'xla_fsdp_grad_ckpt': True}}.")
 
+# torch.autocast("xla") casts matmuls, not scaled_dot_product_attention (it is in CUDA's autocast lists, not
+# XLA's): a decoder's queries and keys come out of its rotary embedding in float32, its values from a bf16
+# matmul, and sdpa refuses the mix (transformers' Llama/Qwen/Gemma under autocast, seen on torch_xla 2.8).
+_SDPA_DTYPES = "Expected query, key, and value to have the same dtype"
+SDPA_UNDER_AUTOCAST = (
+    "scaled_dot_product_attention failed under autocast ({error}): torch.autocast('xla') casts the matmuls but "
+    "not sdpa's inputs, so a decoder's float32 queries and keys (after its rotary embedding) meet bf16 values. "
+    "Use eager attention under autocast (AutoModelForCausalLM.from_config(cfg, attn_implementation='eager'), "
+    "or model.set_attn_implementation('eager'): its matmuls are autocast), or cast the weights to bf16 "
+    "(model.to(torch.bfloat16)) instead of autocasting.")
+
 
 def explain(exc: BaseException) -> str | None:
     """What/why/fix for a known failure (``exc`` and its causes), or None for any other exception."""
@@ -28,5 +39,7 @@ def explain(exc: BaseException) -> str | None:
         files = [f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)]
         if any(m in str(exc) for m in _NO_MODULE) and any(f.endswith(c) for f in files for c in _CHECKPOINT):
             return CHECKPOINT_ON_XLA.format(error=f"{type(exc).__name__}: {exc}")
+        if _SDPA_DTYPES in str(exc):
+            return SDPA_UNDER_AUTOCAST.format(error=str(exc).strip().splitlines()[0])
         exc = exc.__cause__ or exc.__context__
     return None

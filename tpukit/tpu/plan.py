@@ -24,6 +24,7 @@ import math
 import time
 from typing import Any, Callable, Sequence
 
+from .. import _xla
 from . import progress as _progress
 from .ask import ask, begin, resolve
 from .compiler.pins import Compiler
@@ -31,7 +32,7 @@ from .compiler.targets import Target
 from .compiler.worker import BudgetSpent
 from .modes import Built, Mode, build, model_name
 from .outcome import PLANNED, TpuEstimate
-from .table import DECIDED, PREDICTED, Cell, Plan, Point
+from .table import DECIDED, FAILED, PREDICTED, Cell, Plan, Point
 from .trace import trace
 LENGTHS = (512, 1024, 2048, 4096, 8192)
 MODES = ("full", "lora", "lora+ckpt")
@@ -170,7 +171,10 @@ def plan(model: Any, target: str | Target | None = None, *, lengths: Sequence[in
     ``model``: a transformers config (``AutoConfig.from_pretrained("meta-llama/Llama-3.2-1B")``) or a function
     that builds the model; it is built on the ``meta`` device with placeholders for its weights, so the host
     never holds them (see :mod:`.modes`). ``modes``: ``"full"``, ``"lora"`` and their options ``+ckpt``,
-    ``+bf16``, ``+fsdp`` (over the target's chips; the batch is then the global one). ``dtype``: the weights'
+    ``+bf16``, ``+autocast``, ``+chunk`` (a chunked loss), ``+eager`` or ``+flash`` (the attention: transformers'
+    eager, torch_xla's Pallas flash; default sdpa), ``+fsdp`` (over the target's chips; the batch is then the
+    global one). A mode whose step fails (a trap of the stack, with the kit's what/why/fix) is marked ``x`` and
+    said in ``Plan.failed``; the other modes go on. ``dtype``: the weights'
     (default: the config's, else float32). ``lora``: peft ``LoraConfig`` options (default r=16, alpha=32, peft's
     target modules for the model). ``optimizer``: ``"adamw"`` or ``"adafactor"`` (:func:`.modes.build`).
     ``verify``: decide one cell per mode by full compiles (the rest by the buffer assignment; False: none).
@@ -203,11 +207,15 @@ class _Planner:
         self.compiler = ""
         self.limit = int(tgt.usable_hbm_bytes)
         self.notes: list[str] = []
+        self.failed: dict[str, str] = {}  # mode -> why its step failed (the other modes go on)
+        self.mosaic: int | None = None  # the Mosaic version +flash's kernels are written at, once a compiler said
+        self.kernels_checked = False  # a full compile of a +flash step has run (its kernels are compiled late)
 
     # -- compiles --------------------------------------------------------------------------------------------
     def _mode(self, mode: Mode) -> Built:
         if mode.name not in self.built:
             made = build(self.model, mode, self.dtype, self.lora, self.optimizer)
+            made.mosaic = self.mosaic
             begin(made.step, (), {}, self.comp, "tpukit.plan")
             self.built[mode.name] = made
         return self.built[mode.name]
@@ -225,11 +233,24 @@ class _Planner:
         model = self._model(mode.name)
         predicted = int(_hbm(model, b, n)) if model is not None else None
         t0 = time.monotonic()
-        traced = trace(made.step, (torch.randint(0, made.vocab, (b, n)),), {})
-        traced_s = time.monotonic() - t0
-        est: TpuEstimate = ask(traced, self.tgt, self.comp, made.step.__qualname__,
-                               self.tgt.chips if mode.fsdp else 1, what=f"{mode.name} batch {b} x {n}",
-                               early=not full)
+        # A Pallas kernel is compiled after the buffer assignment: the first +flash compile runs in full, to
+        # learn whether this libtpu reads the kernels as written.
+        if mode.flash and not self.kernels_checked:
+            full, source = True, DECIDED
+        while True:
+            with made.tracing():
+                traced = trace(made.step, (torch.randint(0, made.vocab, (b, n)),), {})
+            traced_s = time.monotonic() - t0
+            est: TpuEstimate = ask(traced, self.tgt, self.comp, made.step.__qualname__,
+                                   self.tgt.chips if mode.fsdp else 1, what=f"{mode.name} batch {b} x {n}",
+                                   early=not full)
+            version = _xla.kernels.mosaic_version_wanted(est.message) if mode.flash else None
+            if version is None or version == made.mosaic:
+                break
+            made.mosaic = self.mosaic = version  # this libtpu reads the kernels written at an older version
+            self.notes.append(f"{mode.name}: the flash attention kernels are written at Mosaic version {version}, "
+                              f"the newest {est.compiler or 'this compiler'} reads")
+        self.kernels_checked = self.kernels_checked or mode.flash
         self.compiler = est.compiler or self.compiler
         if est.status not in ("fits", "too big"):
             raise RuntimeError(f"tpukit.plan: the TPU compiler did not answer {mode.name} at batch {b} x {n}: "
@@ -247,30 +268,47 @@ class _Planner:
         stopped = ""
         try:
             for mode in self.modes:  # round 1: design points, every cell predicted
-                u = self._unit(mode)
-                lo, mid, hi = self.lengths[0], self.lengths[len(self.lengths) // 2], self.lengths[-1]
-                for b, n in ((u, lo), (u, hi), (2 * u, mid if mid != lo else hi)):
-                    self._at(mode, b, n)
-                self._predict(mode)
+                self._guarded(mode, self._design)
                 self._best()
             for mode in self.modes:  # round 2: each cell's edge by buffer assignments
                 for n in self.lengths:
-                    self._cell(mode, n, full=False)
+                    self._guarded(mode, lambda m: self._cell(m, n, full=False))
                     self._best()
-                self._long(mode, full=False)
+                self._guarded(mode, lambda m: self._long(m, full=False))
                 self._best()
             if verify:  # round 3: one cell per mode by full compiles
                 for mode in self.modes:
-                    self._verify(mode)
+                    self._guarded(mode, self._verify)
                     self._best()
         except BudgetSpent:
             why = f"stopped by the time budget ({self.job.budget_s:g} s)" if self.job.budget_s else "stopped"
             stopped = f"{why} after {len(self.points)} compiles"
             self.job.note = f"{stopped}: the best answer so far"
         for mode in self.modes:  # whatever was not reached is predicted
-            if any(p.mode == mode.name for p in self.points):
+            if any(p.mode == mode.name for p in self.points) and mode.name not in self.failed:
                 self._predict(mode)
         return self._plan(stopped)
+
+    def _guarded(self, mode: Mode, work: Callable[[Mode], None]) -> None:
+        """``work(mode)``, unless the mode already failed; a failure of its step (a model that cannot take the
+        mode, a trap of the stack: the kit's what/why/fix, a compiler that does not answer) ends that mode,
+        said in :attr:`failed`, and the other modes go on. The time budget ends them all."""
+        if mode.name in self.failed:
+            return
+        try:
+            work(mode)
+        except BudgetSpent:
+            raise
+        except Exception as exc:  # this mode's step as the user would run it fails: the table says how
+            self.failed[mode.name] = f"{type(exc).__name__}: {str(exc).strip()}"
+            self.job.note = f"{mode.name} failed"
+
+    def _design(self, mode: Mode) -> None:
+        u = self._unit(mode)
+        lo, mid, hi = self.lengths[0], self.lengths[len(self.lengths) // 2], self.lengths[-1]
+        for b, n in ((u, lo), (u, hi), (2 * u, mid if mid != lo else hi)):
+            self._at(mode, b, n)
+        self._predict(mode)
 
     def _unit(self, mode: Mode) -> int:
         return self.tgt.chips if mode.fsdp else 1
@@ -357,10 +395,14 @@ class _Planner:
         self.job.best(f"{found} of {len(self.modes) * len(self.lengths)} cells found, {len(self.points)} compiles")
 
     def _plan(self, stopped: str) -> Plan:
-        cells = tuple(self.cells.get((m.name, n), Cell(m.name, n, 0, PREDICTED, None, 0))
+        def failed(m: Mode, n: int) -> Cell | None:
+            return Cell(m.name, n, 0, FAILED, None, 0) if m.name in self.failed else None
+
+        cells = tuple(failed(m, n) or self.cells.get((m.name, n), Cell(m.name, n, 0, PREDICTED, None, 0))
                       for m in self.modes for n in self.lengths)
-        longest = tuple(self.longest.get(m.name, Cell(m.name, 0, 0, PREDICTED, None, 0)) for m in self.modes)
+        longest = tuple(failed(m, 0) or self.longest.get(m.name, Cell(m.name, 0, 0, PREDICTED, None, 0))
+                        for m in self.modes)
         params = {k: (b.parameters, b.trained) for k, b in self.built.items()}
         return Plan(self.name, self.tgt.name, self.compiler, self.limit, self.lengths,
                     tuple(m.name for m in self.modes), cells, longest, tuple(self.points),
-                    time.monotonic() - self.began, params, stopped, tuple(self.notes))
+                    time.monotonic() - self.began, params, stopped, tuple(self.notes), dict(self.failed))

@@ -16,7 +16,8 @@ from typing import Any
 from .outcome import PLANNED, gb
 
 DECIDED, PREDICTED = "compiler", "predicted"  # and PLANNED, the buffer assignment (.outcome)
-MARK = {DECIDED: "c", PLANNED: "b", PREDICTED: "p"}
+FAILED = "failed"  # the mode's step could not be built, traced or compiled: Plan.failed says why
+MARK = {DECIDED: "c", PLANNED: "b", PREDICTED: "p", FAILED: "x"}
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,9 @@ class Cell:
     predicted: int
 
     def text(self, longest: bool = False) -> str:
-        """``4 c`` (decided), ``3 b`` (planned), ``~5 p`` (predicted)."""
+        """``4 c`` (decided), ``3 b`` (planned), ``~5 p`` (predicted), ``- x`` (the mode failed)."""
+        if self.how == FAILED:
+            return "- x"
         value = self.length if longest else self.batch
         return f"{'~' if self.how == PREDICTED else ''}{value} {MARK[self.how]}"
 
@@ -72,6 +75,7 @@ class Plan:
     parameters: dict = field(default_factory=dict)  # mode -> (parameters, trained)
     stopped: str = ""  # what ended the plan early (a time budget): its cells are the best so far
     notes: tuple[str, ...] = ()
+    failed: dict = field(default_factory=dict)  # mode -> why its step could not be built, traced or compiled
 
     def cell(self, mode: str, length: int) -> Cell:
         """The cell of ``mode`` at ``length``."""
@@ -130,7 +134,7 @@ class Plan:
         return ("fits: compiled, with its arguments, outputs and temporaries within the usable HBM at once. "
                 "c: the compiler decided it (a full compile fitted that size and not the next); b: the "
                 "compiler's buffer assignment fits that size and not the next; p: predicted from the compiles "
-                "made (~)")
+                "made (~)" + ("; x: the mode's step failed (below)" if self.failed else ""))
 
     def _tail(self) -> list[str]:
         t = self.times()
@@ -138,7 +142,7 @@ class Plan:
                  "time: " + ", ".join(f"{k} {v:.0f} s" for k, v in t.items())]
         if self.stopped:
             lines.append(f"{self.stopped}: the best answer so far")
-        return lines + list(self.notes)
+        return lines + [f"{m} failed: {why}" for m, why in self.failed.items()] + list(self.notes)
 
     def __str__(self) -> str:
         rows = self.rows()
@@ -149,7 +153,8 @@ class Plan:
 
     def _repr_html_(self) -> str:
         rows = self.rows()
-        style = {DECIDED: "font-weight:bold", PLANNED: "", PREDICTED: "color:#888;font-style:italic"}
+        style = {DECIDED: "font-weight:bold", PLANNED: "", PREDICTED: "color:#888;font-style:italic",
+                 FAILED: "color:#b00"}
 
         def td(mode: str, i: int, text: str) -> str:
             cell = (self.cell(mode, self.lengths[i - 1]) if 0 < i <= len(self.lengths)
@@ -171,6 +176,8 @@ class Plan:
         if ax is None:
             ax = plt.subplots(figsize=(6, 3.5))[1]
         for m in self.modes:
+            if m in self.failed:
+                continue
             cells = [self.cell(m, n) for n in self.lengths]
             line, = ax.plot(self.lengths, [c.batch for c in cells], label=m)
             for c in cells:
