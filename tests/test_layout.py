@@ -51,7 +51,7 @@ PUBLIC_API = [
     "log", "on_step", "track", "Tracker", "StepRecord", "add_listener", "remove_listener",
     "expect_compiles", "no_recompile_after", "dashboard", "save", "load", "verify", "Manifest",
     "CheckpointManager", "export_pretrained", "mesh", "shard_batch", "sharding_spec", "device_loader",
-    "fsdp", "estimate", "largest_batch", "plan", "compare", "TpuEstimate", "launch", "run_on_slice", "LocalSlice", "profile",
+    "fsdp", "estimate", "largest_batch", "plan", "fit", "compare", "TpuEstimate", "launch", "run_on_slice", "LocalSlice", "profile",
     "Profile", "ProfileSummary", "rank", "ShardingError", "load_ipython_extension", "unload_ipython_extension",
     "TpukitError", "TpukitWarning", "TorchXlaMissingError", "TpuBusyError", "VersionMismatchError", "DeviceNotFoundError",
     "RuntimeStateError", "RecompilationError", "CheckpointError", "LaunchError", "SliceError",

@@ -210,3 +210,24 @@ def test_attention_loss_and_precision_modes_are_real_steps_and_a_trap_is_said_no
     assert p.points[0].source == DECIDED and p.points[0].fits, p.points
     if "libtpu 0.0.17" in p.compiler:
         assert any("Mosaic version 4" in n for n in p.notes), p.notes
+
+
+@pytest.mark.compiler
+def test_fit_advises_only_a_step_near_the_limit_each_change_compiled_most_saved_first(rt):
+    # A full fine-tune at 4 x 8192 tokens does not fit a v5e-1: every change people make (LoRA, checkpointing,
+    # bf16, a chunked loss, flash attention, FSDP over a v5e-8, a shorter sequence) is compiled, and the list is
+    # ordered by the HBM each leaves (least first). The same model at 1 x 512 holds 0 % of the chip: no advice.
+    f = tpukit.fit(config(), "v5e-1", mode="full", batch=4, length=8192, progress=False)
+    assert not f.fits and f.mode == "full" and f.compiler.startswith("libtpu"), f
+    changes = [s.change for s in f.advice]
+    for want in ("lora", "full+ckpt", "full+bf16", "full+chunk", "full+flash", "full+fsdp on v5e-8"):
+        assert want in changes, changes
+    assert any(c.startswith("sequence ") for c in changes), changes
+    held = [s.hbm_bytes for s in f.advice if s.checked]
+    assert len(held) == len(f.advice) and held == sorted(held), f
+    assert f.advice[0].fits and f.advice[0].hbm_bytes < f.hbm_limit_bytes, f
+    text = str(f)
+    assert "does not fit" in text and "1. " in text and "(checked by a compile)" in text, text
+    small = tpukit.fit(config(), "v5e-1", mode="full", batch=1, length=512, progress=False)
+    assert small.fits and small.advice == () and small.share < 0.02, small
+    assert small.note.startswith("no advice: the step holds 0% of the chip"), small.note

@@ -37,7 +37,7 @@ from .parallel import LocalSlice, launch, run_on_slice
 from .profile import Profile, ProfileSummary, profile
 from .runtime import Runtime, rank, setup
 from .spmd import device_loader, fsdp, mesh, shard_batch, sharding_spec
-from .tpu import TpuEstimate, compare, estimate, largest_batch, plan
+from .tpu import TpuEstimate, compare, estimate, fit, largest_batch, plan
 from .steps import StepRecord, add_listener, log, on_step
 from .track import Tracker, dashboard, track
 from . import events, widgets  # the notebook UI (imports no UI library)
@@ -97,6 +97,7 @@ __all__ = [
     "estimate",
     "largest_batch",
     "plan",
+    "fit",
     "compare",
     "TpuEstimate",
     "launch",

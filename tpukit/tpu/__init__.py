@@ -36,7 +36,7 @@ _WHERE = {
     "RUNTIMES": "compiler", "Compiler": "compiler", "CompilerError": "compiler", "Refusal": "compiler",
     "available": "compiler", "versions": "compiler", "cache_dir": "compiler", "cache_info": "compiler",
     "TpuCompilerMissingError": "compiler", "WorkerError": "compiler", "CompilerEnvError": "compiler",
-    "BudgetSpent": "compiler", "TpuProgress": "progress", "plan": "plan", "Plan": "table",
+    "BudgetSpent": "compiler", "TpuProgress": "progress", "plan": "plan", "Plan": "table", "fit": "plan", "Fit": "table",
 }
 __all__ = list(_WHERE)
 _MODULES = ("trace", "outcome", "progress", "dump", "memory", "ask", "search", "advice", "estimate", "compare", "recorded",

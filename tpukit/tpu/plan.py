@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 from .. import _xla
@@ -31,8 +32,10 @@ from .compiler.pins import Compiler
 from .compiler.targets import Target
 from .compiler.worker import BudgetSpent
 from .modes import Built, Mode, build, model_name
-from .outcome import PLANNED, TpuEstimate
-from .table import DECIDED, FAILED, PREDICTED, Cell, Plan, Point
+from .advice import wide_target
+from .estimate import NEAR_LIMIT
+from .outcome import PLANNED, Suggestion, TpuEstimate
+from .table import DECIDED, FAILED, PREDICTED, Cell, Fit, Plan, Point
 from .trace import trace
 LENGTHS = (512, 1024, 2048, 4096, 8192)
 MODES = ("full", "lora", "lora+ckpt")
@@ -406,3 +409,108 @@ class _Planner:
         return Plan(self.name, self.tgt.name, self.compiler, self.limit, self.lengths,
                     tuple(m.name for m in self.modes), cells, longest, tuple(self.points),
                     time.monotonic() - self.began, params, stopped, tuple(self.notes), dict(self.failed))
+
+
+# What each change is, in words a user writes (the change's mode option -> how).
+_HOW = {
+    "lora": "peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32)): only the adapters train, so the "
+            "weights need no gradients and no optimizer state",
+    "ckpt": "each decoder layer under torch_xla's checkpoint: `with tpukit.rewrites.checkpointed(list("
+            "model.model.layers)):` around the forward (or the Trainer's fsdp_config={'xla_fsdp_grad_ckpt': True})",
+    "bf16": "model.to(torch.bfloat16) before the optimizer is made: weights, gradients and optimizer state halve",
+    "chunk": "the loss over slices of the tokens, the lm_head inside each slice (tpukit.rewrites.chunked_loss): "
+             "one slice's logits live at a time",
+    "flash": "torch_xla's Pallas flash attention (torch_xla.experimental.custom_kernel.flash_attention) in place "
+             "of sdpa: the scores are never held whole",
+    "fsdp": "tpukit.fsdp(model, tpukit.mesh()) (or the Trainer's FSDPv2): weights, gradients and optimizer state "
+            "split over the chips",
+}
+
+
+def fit(model: Any, target: str | Target | None = None, *, mode: str = "full", batch: int = 1, length: int = 2048,
+        compiler: str | Compiler | None = None, dtype: Any = None, lora: dict | None = None,
+        optimizer: str = "adamw", budget: float | None = None, progress: bool = True) -> Fit:
+    """Does one step of a decoder LM's fine-tune fit ``target`` (``mode`` at ``batch`` x ``length`` tokens), and
+    if it does not, or holds :data:`~.estimate.NEAR_LIMIT` of the chip or more, what to change: LoRA,
+    per-layer checkpointing, bf16 weights, a chunked loss, flash attention, FSDP over the target's chips (a
+    one-chip target: the eight-chip slice of its chip), a shorter sequence. The step is decided by a full
+    compile; each change is compiled too (to its buffer assignment) and the advice is ordered by the HBM it
+    saves. A step well within the chip gets no advice (``note`` says so).
+
+    ``model``, ``dtype``, ``lora``, ``optimizer``, ``compiler``: as for :func:`plan`. ``budget``: seconds; the
+    changes not checked by then say so.
+    """
+    tgt, comp = resolve(target, compiler)
+    asked = Mode.parse(mode)
+    if batch < 1 or length < 1:
+        raise ValueError(f"batch={batch}, length={length}: a step of at least one row of one token")
+    name = model_name(model)
+    with _progress.job(f"tpukit.fit({name}) for {tgt.name}", budget, progress) as job:
+        planner = _Planner(model, tgt, comp, [asked], (length,), dtype, lora, job, name, optimizer)
+        step = planner._at(asked, batch, length, full=True)
+        near = step.fits and step.hbm_bytes is not None and step.hbm_bytes < NEAR_LIMIT * planner.limit
+        answer = Fit(name, tgt.name, planner.compiler, asked.name, batch, length, step.fits, step.hbm_bytes,
+                     planner.limit)
+        if near:
+            return replace(answer, note=f"no advice: the step holds {step.hbm_bytes / planner.limit:.0%} of the "
+                                        f"chip, below the {NEAR_LIMIT:.0%} where a change is worth it")
+        out = [_change(planner, asked, o, batch, length, step) for o in _changes(asked, tgt)]
+        out.append(_shorter(planner, asked, batch, length))
+        return replace(answer, advice=tuple(sorted(out, key=_saved)))
+
+
+def _changes(asked: Mode, tgt: Target) -> list[str]:
+    """The changes worth compiling for ``asked``: LoRA for a full fine-tune, then each option it lacks."""
+    out = ["lora"] if asked.base == "full" else []
+    for o in ("ckpt", "bf16", "chunk", "flash", "fsdp"):
+        if getattr(asked, o) or (o == "flash" and (asked.eager or asked.fsdp)):
+            continue
+        if o == "fsdp" and (asked.flash or wide_target(tgt).chips < 2):
+            continue
+        out.append(o)
+    return out
+
+
+def _change(planner: "_Planner", asked: Mode, option: str, batch: int, length: int, step: Point) -> Suggestion:
+    """``asked`` with one change, compiled to its buffer assignment (FSDP: on the slice of :func:`wide_target`)."""
+    parts = asked.name.split("+")
+    name = "+".join(["lora", *parts[1:]] if option == "lora" else [*parts, option])
+    change = Mode.parse(name)
+    on = planner
+    if option == "fsdp" and planner.tgt.chips < 2:  # a one-chip target: the slice of its chip
+        wide = wide_target(planner.tgt)
+        on = _Planner(planner.model, wide, planner.comp, [change], planner.lengths, planner.dtype, planner.lora,
+                      planner.job, planner.name, planner.optimizer)
+    label = f"{name} on {on.tgt.name}" if on is not planner else name
+    try:
+        p = on._at(change, batch, length)
+    except BudgetSpent:
+        return Suggestion(label, _HOW[option], unchecked="the time budget ran out before it was checked")
+    except Exception as exc:  # the change's step fails as the user's would: said, not raised
+        return Suggestion(label, _HOW[option], unchecked=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+    return Suggestion(label, _HOW[option], p.hbm_bytes, p.fits)
+
+
+def _shorter(planner: "_Planner", asked: Mode, batch: int, length: int) -> Suggestion:
+    """The longest sequence below ``length`` that fits at ``batch`` (the length grid's sizes, by buffer
+    assignments), or that none of them does."""
+    _, lengths = planner._grids(asked)
+    grid = type(lengths)(lengths.unit, lengths.wide_from, lengths.wide, length - 1)
+    try:
+        lo, _hi = _edge(lambda n: planner._at(asked, batch, n).fits,
+                        lambda: planner._near(asked.name, lambda p: p.batch == batch, lambda p: p.length, length / 2),
+                        grid)
+    except BudgetSpent:
+        return Suggestion("a shorter sequence", "max_length of the tokenizer and the collator",
+                          unchecked="the time budget ran out before it was checked")
+    if not lo:
+        return Suggestion("a shorter sequence", f"none of {grid.unit} tokens or more fits at batch {batch}",
+                          fits=False, unchecked="even the shortest length tried did not fit")
+    held = next(p.hbm_bytes for p in planner.points if p.length == lo and p.batch == batch and p.mode == asked.name)
+    return Suggestion(f"sequence {lo}", f"the longest that fits at batch {batch}: max_length={lo} in the tokenizer "
+                                        "and the collator", held, True)
+
+
+def _saved(s: Suggestion) -> tuple[int, float]:
+    """The sort key of a change: checked ones first, by the HBM they hold (least first, so most saved first)."""
+    return (0, float(s.hbm_bytes)) if s.hbm_bytes else (1, 0.0)

@@ -190,3 +190,39 @@ class Plan:
         ax.set_title(f"{self.model} on {self.target}", fontsize=10)
         ax.legend(fontsize=8)
         return ax
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The answer of :func:`tpukit.fit`: one step of a decoder LM's fine-tune (a mode at a batch and length) on
+    a target, and what to change when it does not fit or is near the chip's limit, each change compiled and
+    the list ordered by the HBM it saves (most first; a change that failed or was not checked last)."""
+
+    model: str
+    target: str
+    compiler: str
+    mode: str
+    batch: int
+    length: int
+    fits: bool
+    hbm_bytes: int | None  # what the chip must hold at once (None: a refusal that named none)
+    hbm_limit_bytes: int
+    advice: tuple = ()  # of outcome.Suggestion
+    note: str = ""  # why there is no advice, or what stopped it
+
+    @property
+    def share(self) -> float | None:
+        """The part of the usable HBM the step holds (None when the compiler named no figure)."""
+        return self.hbm_bytes / self.hbm_limit_bytes if self.hbm_bytes else None
+
+    def __str__(self) -> str:
+        held = f"{gb(self.hbm_bytes)} of {gb(self.hbm_limit_bytes)}" if self.hbm_bytes else "no figure named"
+        head = (f"tpukit.fit({self.model}) {self.mode} at {self.batch} x {self.length} tokens on {self.target} by "
+                f"{self.compiler or 'the TPU compiler'}: {'fits' if self.fits else 'does not fit'} ({held}"
+                f"{f', {self.share:.0%}' if self.share else ''})")
+        lines = [head] + ([self.note] if self.note else [])
+        lines += [f"  {i}. {s.change}: {s.how}{s.after()}" for i, s in enumerate(self.advice, 1)]
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        return "<pre>" + html.escape(str(self)) + "</pre>"
