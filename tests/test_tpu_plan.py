@@ -104,10 +104,10 @@ def test_the_buffer_assignment_answers_as_the_full_compile_does_in_a_fraction_of
 
 @pytest.mark.compiler
 def test_a_plan_finds_each_edge_by_a_refusal_decides_one_per_mode_and_measures_its_prediction(rt):
-    # Two modes at two lengths: every cell's largest batch is bounded by a size the compiler refused, the
+    # Two modes at one length: every cell's largest batch is bounded by a size the compiler refused, the
     # longest sequence at batch 1 too; one cell per mode is decided by full compiles; every compile after the
     # first few carries the HBM the model predicted for it.
-    p = tpukit.plan(config(), "v5e-1", lengths=(2048, 4096), modes=("full", "lora+ckpt"), progress=False)
+    p = tpukit.plan(config(), "v5e-1", lengths=(2048,), modes=("full", "lora+ckpt"), progress=False)
     assert p.compiler.startswith("libtpu") and p.target == "v5e-1"
     for c in p.cells + p.longest:
         assert c.how in (DECIDED, PLANNED), c
@@ -198,6 +198,8 @@ def test_attention_loss_and_precision_modes_are_real_steps_and_a_trap_is_said_no
     flash = modes.build(cfg, modes.Mode.parse("full+flash"))
     with flash.tracing():
         assert b"tpu_custom_call" in trace.trace(flash.step, (ids,), {}).hlo
+    with open("/proc/self/maps") as maps:  # jax lowered the kernel on its CPU backend: no libtpu beside torch_xla
+        assert "libtpu" not in maps.read()
     p = tpukit.plan(cfg, "v5e-1", lengths=(1024,), modes=("full+flash", "full+autocast"), progress=False,
                     verify=False)
     assert set(p.failed) == {"full+autocast"}, p.failed

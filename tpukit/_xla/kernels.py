@@ -42,6 +42,12 @@ def for_tpu(version: int | None = None) -> Iterator[None]:
     from .loader import torch_xla
 
     torch_xla()
+    import jax
+
+    # jax in this process lowers only: its backends are XLA:CPU's. Left to itself it would also start the TPU
+    # backend, loading libtpu beside torch_xla's runtime (the kit keeps libtpu in the compiler's worker).
+    if not _backends_started(jax):
+        jax.config.update("jax_platforms", "cpu")
     import jax._src.tpu_custom_call as tpu_custom_call
     import torch_xla.experimental.custom_kernel as kernels
 
@@ -58,8 +64,6 @@ def for_tpu(version: int | None = None) -> Iterator[None]:
             *shapes, **kwargs).lower(lowering_platforms=("tpu",))
         return kernels._extract_backend_config(lowered.compiler_ir()), [a for a in args if torch.is_tensor(a)]
 
-    import jax
-
     kernels.trace_pallas = trace_pallas
     if version is not None:
         tpu_custom_call.get_ir_version = lambda ctx: version
@@ -70,6 +74,13 @@ def for_tpu(version: int | None = None) -> Iterator[None]:
         kernels.trace_pallas, tpu_custom_call.get_ir_version = real_trace, real_version
         if version is not None:
             jax.clear_caches()
+
+
+def _backends_started(jax: Any) -> bool:
+    """Whether jax has started its backends in this process (its platforms can no longer be chosen)."""
+    from jax._src import xla_bridge
+
+    return bool(getattr(xla_bridge, "_backends", None))
 
 
 def flash_attention(query: Any, key: Any, value: Any, scale: float | None = None, causal: bool = True) -> Any:

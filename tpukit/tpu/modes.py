@@ -121,13 +121,17 @@ def build(model: Any, mode: Mode, dtype: Any = None, lora: dict | None = None, o
         raise ValueError(f"optimizer {optimizer!r}: one of {', '.join(OPTIMIZERS)}")
     import torch
 
-    with torch.device("meta"):
-        if callable(model) and not hasattr(model, "to_dict"):
-            m = model()
-        else:
-            from transformers import AutoModelForCausalLM
+    made_by = None
+    if not (callable(model) and not hasattr(model, "to_dict")):
+        from transformers import AutoModelForCausalLM
 
-            m = AutoModelForCausalLM.from_config(copy.deepcopy(model))  # a mode's attention is not the config's
+        # The model's module is imported here, outside the meta device: imported first under it, Gemma 3's
+        # import of torch._dynamo ran into itself ("partially initialized module 'torch._dynamo'").
+        AutoModelForCausalLM._model_mapping[type(model)]
+        made_by = AutoModelForCausalLM.from_config
+    with torch.device("meta"):
+        # a mode's attention is not the config's: each mode builds from a copy
+        m = model() if made_by is None else made_by(copy.deepcopy(model))
     if not isinstance(m, torch.nn.Module):
         raise TypeError(f"the model function returned {type(m).__name__}, not a torch module: pass a transformers "
                         "config or a function returning the model (e.g. lambda: AutoModelForCausalLM.from_config(cfg))")
@@ -152,7 +156,7 @@ def build(model: Any, mode: Mode, dtype: Any = None, lora: dict | None = None, o
     found = layers([m])[1] if mode.ckpt else []
     if mode.ckpt and not found:
         raise ValueError(f"mode {mode.name!r}: the model has no repeated layers to checkpoint")
-    head = heads([m]) if mode.chunk else []
+    head = heads([m.get_base_model() if hasattr(m, "get_base_model") else m]) if mode.chunk else []  # under peft
     if mode.chunk and not head:
         raise ValueError(f"mode {mode.name!r}: the model's loss is not one transformers computes from its "
                          "lm_head's logits, so the kit cannot chunk it")
@@ -200,6 +204,9 @@ def _flash_forward(module: Any, query: Any, key: Any, value: Any, attention_mask
     if kwargs.get("softcap") is not None:
         raise ValueError("+flash: the model soft-caps its attention scores (Gemma 2's attn_logit_softcapping), "
                          "which torch_xla's flash attention does not do: plan it with sdpa or +eager")
+    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
+        raise ValueError("+flash: the model's layers attend over a sliding window (Gemma 3's, Mistral's), which "
+                         "torch_xla's flash attention does not do: plan it with sdpa")
     out = _xla.kernels.flash_attention(query, key, value, scaling, causal=getattr(module, "is_causal", True))
     return out.transpose(1, 2).contiguous(), None
 

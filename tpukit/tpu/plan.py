@@ -488,6 +488,8 @@ def _change(planner: "_Planner", asked: Mode, option: str, batch: int, length: i
         return Suggestion(label, _HOW[option], unchecked="the time budget ran out before it was checked")
     except Exception as exc:  # the change's step fails as the user's would: said, not raised
         return Suggestion(label, _HOW[option], unchecked=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
+    if p.hbm_bytes is None:  # refused, and the refusal named no figure the chip could hold
+        return Suggestion(label, _HOW[option], fits=False, unchecked="the compiler refused it")
     return Suggestion(label, _HOW[option], p.hbm_bytes, p.fits)
 
 
