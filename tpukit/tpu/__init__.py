@@ -12,11 +12,12 @@ Two rooms, along the process line:
   graph, in the background) all call it; :mod:`.memory` and :mod:`.dump` say why (the HBM at the peak by
   kind and line), :mod:`.advice` what to change (one list, each checked by a compile); :mod:`.plan`
   (:func:`plan`) answers for a decoder LM in its fine-tuning modes (:mod:`.modes`), per sequence length, as
-  one table (:mod:`.table`).
+  one table (:mod:`.table`), and :func:`fit` for one of its steps, with what to change.
 
 The public names below are bound on first use (importing :mod:`.compiler` alone, as the runtime does, loads
-nothing of this side). The parent process never imports jax or libtpu; only :mod:`.compiler._jax`, in the
-worker, does.
+nothing of this side). The parent process never loads libtpu: only :mod:`.compiler._jax`, in the worker,
+imports jax for the TPU compiler (``tpukit._xla.kernels`` has jax, on its CPU platform, lower torch_xla's
+Pallas kernels while a ``+flash`` step is traced, as torch_xla itself does).
 """
 
 from __future__ import annotations
