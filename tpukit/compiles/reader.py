@@ -29,7 +29,12 @@ from .frames import Frame, parse_block
 from .graphs import Graph
 
 PERIOD = 0.1     # seconds between two reads of the trace file when nobody asks
-HLO_PATIENCE = 2.0  # seconds an ended compile waits for its HLO file before it is classified without
+HLO_PATIENCE = 2.0  # seconds an ended compile waits for its HLO file before it is classified without one
+# While graphs keep their HLO for a TPU target (a follower, a %%xla --target cell), longer: a graph classified
+# without its HLO never reaches the TPU compiler. 2 s was once too short in CI (two test lanes and a TPU compile
+# on two cores: one graph of a tracked loop settled without its HLO and got no TPU answer). Only a late file
+# is waited for.
+HLO_PATIENCE_KEPT = 8.0
 
 
 def _with_cell(frame: Frame) -> Frame:
@@ -307,7 +312,8 @@ class Reader:
             if ev.end is None:
                 continue
             graph = self._graph_of.get(i)
-            if graph is None and self.hlo.path and now - self._ended_at.setdefault(i, now) < HLO_PATIENCE:
+            patience = HLO_PATIENCE_KEPT if self.hlo.protos else HLO_PATIENCE
+            if graph is None and self.hlo.path and now - self._ended_at.setdefault(i, now) < patience:
                 continue  # its HLO file may still be on its way
             loop = self._loop.pop(i, None)
             user, read = ev.user_frames, ev.read_frame
