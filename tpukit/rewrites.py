@@ -51,10 +51,10 @@ def checkpointed(modules: list) -> Iterator[None]:
     recomputed in the backward). An input must require grad for the checkpoint to make gradients: when none
     does (the first layer's, from the batch), the first floating-point one is given ``requires_grad``.
 
-    A key/value cache handed to a layer (transformers' ``past_key_values``: a decoder in training mode still
-    makes one unless ``use_cache=False``; transformers 5.24's layers call it ``cache``) is not: the recompute would append the layer's keys to it a second
-    time, and eager attention then adds a mask of the sequence to scores twice as long (transformers' own
-    ``gradient_checkpointing_enable()`` turns the cache off for the same reason)."""
+    A key/value cache handed to a layer (transformers' ``past_key_values``, ``cache`` in 5.24's layers: a
+    decoder in training mode still makes one unless ``use_cache=False``) is not: the recompute would append
+    the layer's keys to it a second time, and eager attention then adds a mask of the sequence to scores twice
+    as long (transformers' own ``gradient_checkpointing_enable()`` turns the cache off for the same reason)."""
     import torch
 
     saved = []

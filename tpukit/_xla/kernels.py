@@ -56,7 +56,6 @@ def for_tpu(version: int | None = None) -> Iterator[None]:
     def trace_pallas(kernel: Any, *args: Any, static_argnums: Any = None, static_argnames: Any = None,
                      use_cache: bool = False, **kwargs: Any) -> tuple[Any, list]:
         # torch_xla's own trace_pallas, lowered for the TPU (its cache is skipped: the payload depends on it)
-        import jax
         import jax._src.pallas.mosaic.pallas_call_registration  # noqa: F401  (registers the TPU lowering)
 
         shapes = [kernels.to_jax_shape_dtype_struct(a) if torch.is_tensor(a) else a for a in args]

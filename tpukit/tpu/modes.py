@@ -68,8 +68,7 @@ class Mode:
             raise ValueError(f"mode {name!r}: +flash with +fsdp is not planned: torch_xla's flash attention under "
                              "SPMD needs its partition_spec and mesh in the model's code, and the plan shards the "
                              "step at its compile. Plan +flash on one chip, or +fsdp with sdpa")
-        return cls("+".join([base, *options]), base, *(o in options for o in ("ckpt", "bf16", "fsdp", "autocast",
-                                                                              "chunk", "eager", "flash")))
+        return cls("+".join([base, *options]), base, **{o: o in options for o in OPTIONS})
 
     @property
     def attention(self) -> str | None:

@@ -32,7 +32,7 @@ from .compiler.pins import Compiler
 from .compiler.targets import Target
 from .compiler.worker import BudgetSpent
 from .modes import Built, Mode, build, model_name
-from .advice import wide_target
+from .advice import OUT_OF_TIME, wide_target
 from .estimate import NEAR_LIMIT
 from .outcome import PLANNED, Suggestion, TpuEstimate
 from .table import DECIDED, FAILED, PREDICTED, Cell, Fit, Plan, Point
@@ -454,7 +454,7 @@ def fit(model: Any, target: str | Target | None = None, *, mode: str = "full", b
         if near:
             return replace(answer, note=f"no advice: the step holds {step.hbm_bytes / planner.limit:.0%} of the "
                                         f"chip, below the {NEAR_LIMIT:.0%} where a change is worth it")
-        out = [_change(planner, asked, o, batch, length, step) for o in _changes(asked, tgt)]
+        out = [_change(planner, asked, o, batch, length) for o in _changes(asked, tgt)]
         out.append(_shorter(planner, asked, batch, length))
         return replace(answer, advice=tuple(sorted(out, key=_saved)))
 
@@ -471,7 +471,7 @@ def _changes(asked: Mode, tgt: Target) -> list[str]:
     return out
 
 
-def _change(planner: "_Planner", asked: Mode, option: str, batch: int, length: int, step: Point) -> Suggestion:
+def _change(planner: "_Planner", asked: Mode, option: str, batch: int, length: int) -> Suggestion:
     """``asked`` with one change, compiled to its buffer assignment (FSDP: on the slice of :func:`wide_target`)."""
     parts = asked.name.split("+")
     name = "+".join(["lora", *parts[1:]] if option == "lora" else [*parts, option])
@@ -485,7 +485,7 @@ def _change(planner: "_Planner", asked: Mode, option: str, batch: int, length: i
     try:
         p = on._at(change, batch, length)
     except BudgetSpent:
-        return Suggestion(label, _HOW[option], unchecked="the time budget ran out before it was checked")
+        return Suggestion(label, _HOW[option], unchecked=OUT_OF_TIME)
     except Exception as exc:  # the change's step fails as the user's would: said, not raised
         return Suggestion(label, _HOW[option], unchecked=f"{type(exc).__name__}: {str(exc).strip()[:300]}")
     if p.hbm_bytes is None:  # refused, and the refusal named no figure the chip could hold
@@ -504,7 +504,7 @@ def _shorter(planner: "_Planner", asked: Mode, batch: int, length: int) -> Sugge
                         grid)
     except BudgetSpent:
         return Suggestion("a shorter sequence", "max_length of the tokenizer and the collator",
-                          unchecked="the time budget ran out before it was checked")
+                          unchecked=OUT_OF_TIME)
     if not lo:
         return Suggestion("a shorter sequence", f"none of {grid.unit} tokens or more fits at batch {batch}",
                           fits=False, unchecked="even the shortest length tried did not fit")
