@@ -28,6 +28,10 @@ from ._tree import is_tensor, tree_map
 from .errors import RuntimeStateError, ShardingError
 
 FSDP_HOOK_NOTICE = "Full backward hook is firing when gradients are computed with respect to module outputs"
+# The same hook on a model whose forward returns a transformers ModelOutput: torch skips it (it is of no use
+# there: the batch needs no gradient) and says so once.
+FSDP_OUTPUT_NOTICE = ("For backward hooks to be called, module output should be a Tensor or a tuple of Tensors but "
+                      r"received <class 'transformers\.")
 
 
 def _require_spmd(what: str) -> None:
@@ -168,15 +172,77 @@ def device_loader(loader: Any, mesh: Any = None, device: Any = None, axis: str =
     return _xla.mp_device_loader(loader, dev, sharding, sync_each_batch=sync)
 
 
-def fsdp(model: Any, mesh: Any, axis: str = "data") -> Any:
+def _layer_classes(model: Any, layers: Any) -> tuple[type, ...]:
+    """The classes of the submodules ``fsdp(layers=...)`` wraps one by one (see :func:`fsdp`)."""
+    default = layers is None
+    if default:  # a transformers model's own list (a peft model forwards it); a name it lists may be absent
+        layers = getattr(model, "_no_split_modules", None) or ()
+    elif layers is False:
+        layers = ()
+    if isinstance(layers, (str, type)):
+        layers = (layers,)
+    if not isinstance(layers, (list, tuple, set, frozenset)):
+        raise TypeError(f"layers= takes a module class, a class name (e.g. 'LlamaDecoderLayer') or a list of them, "
+                        f"or False for one wrapper; got {type(layers).__name__} {layers!r}.")
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    found: list[type] = []
+    for layer in layers:
+        if isinstance(layer, type) and issubclass(layer, torch.nn.Module):
+            cls = layer if any(isinstance(m, layer) for m in model.modules()) else None
+            name = layer.__name__
+        elif isinstance(layer, str):
+            cls, name = present.get(layer), layer
+        else:
+            raise TypeError(f"layers= takes module classes or class names (e.g. 'LlamaDecoderLayer'), "
+                            f"not {type(layer).__name__} {layer!r}.")
+        if cls is None and default:
+            continue
+        if cls is None:
+            counts: dict[str, int] = {}
+            for m in model.modules():
+                if any(True for _ in m.children()):
+                    counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+            repeated = sorted(n for n, k in counts.items() if k > 1)  # the blocks a model repeats: its layers
+            hint = f" (its repeated blocks: {', '.join(repeated)})" if repeated else ""
+            raise ValueError(f"layers={name!r}: the model has no submodule of that class{hint}, so there is nothing "
+                             "to wrap; pass the class of its decoder layer, or layers=False for one wrapper only.")
+        if cls not in found:
+            found.append(cls)
+    return tuple(found)
+
+
+def _prepare_checkpointing(model: Any) -> None:
+    """What a transformers model needs for torch_xla's checkpointing of its layers (the Trainer does the same)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # a recomputed layer would append its keys and values to the cache again
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    frozen = embeddings is not None and not any(p.requires_grad for p in embeddings.parameters())
+    if frozen and hasattr(model, "enable_input_require_grads"):
+        # torch_xla's checkpoint runs a layer plainly when none of its inputs needs a gradient: behind frozen
+        # embeddings (peft's LoRA) the first layer would keep its activations.
+        model.enable_input_require_grads()
+
+
+def fsdp(model: Any, mesh: Any, axis: str = "data", *, layers: Any = None, checkpoint: bool = False) -> Any:
     """Shard a model's parameters over a mesh axis (FSDP-style), with SPMD doing the gathers.
 
-    Wraps ``model`` in torch_xla's ``SpmdFullyShardedDataParallel``: each
-    parameter is split along its largest dimension over ``axis`` and the outputs'
-    batch dimension is sharded over the same axis (the wrapper's ``shard_output``).
-    Create the optimizer *after* wrapping. ``model`` is moved to the device in
-    place and keeps its own ``state_dict()`` keys (the wrapper's add a
-    ``_orig_module.`` prefix). Feed it batches from ``shard_batch(..., mesh, axis)``.
+    Wraps ``model`` in torch_xla's ``SpmdFullyShardedDataParallel`` (FSDPv2): each
+    parameter, frozen ones included, is split along its largest dimension over ``axis``
+    and each wrapped module's outputs are sharded along their batch dimension over the
+    same axis (a transformers ``ModelOutput`` included). ``layers``: the submodule
+    classes (or class names) wrapped one by one first, as the Trainer's FSDPv2 does:
+    by default a transformers model's ``_no_split_modules`` (its decoder layer; through
+    a peft model too), ``layers=False`` for one wrapper. ``checkpoint=True``
+    recomputes each wrapped layer's activations in the backward (torch_xla's
+    ``checkpoint_module``); for a transformers model it also turns ``config.use_cache``
+    off (the recompute would grow the cache) and, behind frozen input embeddings (peft),
+    makes their output need a gradient (``enable_input_require_grads``), without which
+    torch_xla runs the first layer unchecked. Create the optimizer *after* wrapping
+    (over the trainable parameters only, for LoRA). ``model`` is moved to the device in
+    place and keeps its ``state_dict()`` keys, wrapped layers included (save and load
+    ``model.state_dict()``; the returned wrapper's keys add an ``_orig_module.`` prefix).
+    Feed it batches from ``track(loader, mesh=mesh)`` or ``shard_batch(..., mesh, axis)``.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"tpukit.fsdp() wraps a torch.nn.Module (the model itself), not a "
@@ -186,6 +252,14 @@ def fsdp(model: Any, mesh: Any, axis: str = "data") -> Any:
     sizes = _xla.mesh_axes(mesh)
     if axis != "fsdp" and "fsdp" in sizes:
         raise ValueError(f"the mesh already has an axis named 'fsdp' besides {axis!r}; rename it or pass axis='fsdp'.")
+    if _xla.fsdp_wrappers(model):
+        raise ValueError("the model is already wrapped by FSDP (tpukit.fsdp or torch_xla's wrapper); wrap the "
+                         "original model once, e.g. tpukit.fsdp(model, mesh, layers=...).")
+    classes = _layer_classes(model, layers)
+    if checkpoint and not classes:
+        why = "layers=False" if layers is False else "the model has no _no_split_modules"
+        raise ValueError(f"checkpoint=True checkpoints each wrapped layer, but no layer is wrapped ({why}); pass "
+                         "layers= the class of its repeated block, e.g. layers='LlamaDecoderLayer'.")
     fmesh = _xla.rename_mesh_axes(mesh, tuple("fsdp" if a == axis else a for a in sizes))
 
     def shard_output(output: Any, m: Any) -> None:
@@ -196,7 +270,10 @@ def fsdp(model: Any, mesh: Any, axis: str = "data") -> Any:
 
         tree_map(mark, output if not hasattr(output, "to_tuple") else output.to_tuple(), is_tensor, path="output")
 
+    if checkpoint:
+        _prepare_checkpointing(model)
     # torch_xla's wrapper puts a full backward hook on a module whose inputs need no gradient (the
     # batch), and torch 2.8 then warns at every backward; it says nothing the user can act on.
     warnings.filterwarnings("ignore", message=FSDP_HOOK_NOTICE, category=UserWarning)
-    return _xla.spmd_fsdp(model, fmesh, shard_output)
+    warnings.filterwarnings("ignore", message=FSDP_OUTPUT_NOTICE, category=UserWarning)
+    return _xla.spmd_fsdp(model, fmesh, shard_output, classes, checkpoint)

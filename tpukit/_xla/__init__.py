@@ -53,6 +53,8 @@ from .runtime import (
 )
 from .spmd import (
     first_dim_sharding,
+    fsdp_wrappers,
+    is_checkpointed,
     is_mesh,
     is_sharded,
     is_spmd,
@@ -79,6 +81,7 @@ __all__ = [
     "add_step_closure", "is_xla_tensor", "placeholders", "tensor_id", "to_cpu", "rng_seed", "set_rng_seed",
     "use_spmd", "is_spmd", "make_mesh", "rename_mesh_axes", "mesh_axes", "is_mesh", "mark_sharding",
     "to_device_sharded", "sharding_spec", "is_sharded", "first_dim_sharding", "mp_device_loader", "spmd_fsdp",
+    "fsdp_wrappers", "is_checkpointed",
     "spmd_checkpoint_planners", "prime_optimizer",
     "local_process_count", "run_replica_process", "run_single_process",
     "profiler_start", "profiler_stop",

@@ -9,6 +9,7 @@ builds its public API (mesh, shard_batch, device_loader, fsdp) on these.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Any, Callable, Sequence
@@ -122,10 +123,71 @@ def mp_device_loader(loader: Any, dev: Any, input_sharding: Any = None, sync_eac
     return pl.MpDeviceLoader(loader, dev, **kwargs)
 
 
-def spmd_fsdp(module: Any, mesh: Any, shard_output: Callable[[Any, Any], None]) -> Any:
-    """Wrap ``module`` in torch_xla's ``SpmdFullyShardedDataParallel`` (mesh needs an 'fsdp' axis)."""
-    mod = _loader.module("torch_xla.experimental.spmd_fully_sharded_data_parallel")
-    return mod.SpmdFullyShardedDataParallel(module, mesh=mesh, shard_output=shard_output)
+INNER_PREFIX = "_orig_module."  # where torch_xla's FSDP wrapper keeps the module it wraps
+
+
+def _fsdpv2() -> Any:
+    return _loader.module("torch_xla.experimental.spmd_fully_sharded_data_parallel").SpmdFullyShardedDataParallel
+
+
+def spmd_fsdp(module: Any, mesh: Any, shard_output: Callable[[Any, Any], None], layer_classes: Sequence[type] = (),
+              checkpoint: bool = False) -> Any:
+    """Wrap ``module`` in torch_xla's ``SpmdFullyShardedDataParallel`` (mesh needs an 'fsdp' axis).
+
+    ``layer_classes``: each submodule of these classes is wrapped in its own wrapper first (torch_xla's
+    ``transformer_auto_wrap_policy``), its forward checkpointed with torch_xla's ``checkpoint_module`` when
+    ``checkpoint`` (what transformers' Trainer does for ``xla_fsdp_grad_ckpt``). The wrapped layers keep
+    their ``state_dict()`` keys and load their own (``plain_keys``); only the outer wrapper adds its prefix.
+    """
+    wrapper_cls = _fsdpv2()
+    policy = callable_ = None
+    if layer_classes:
+        wrap = _loader.module("torch_xla.distributed.fsdp.wrap")
+        policy = functools.partial(wrap.transformer_auto_wrap_policy, transformer_layer_cls=set(layer_classes))
+
+        def callable_(m: Any, *args: Any, **kwargs: Any) -> Any:
+            if checkpoint:
+                m = _loader.module("torch_xla.distributed.fsdp").checkpoint_module(m)
+            return plain_keys(wrapper_cls(m, *args, **kwargs))
+
+    return wrapper_cls(module, mesh=mesh, shard_output=shard_output, auto_wrap_policy=policy,
+                       auto_wrapper_callable=callable_)
+
+
+def fsdp_wrappers(module: Any) -> list[tuple[str, Any]]:
+    """``(name, wrapper)`` of every torch_xla FSDP wrapper in ``module`` (itself included), in module order."""
+    if not is_imported():
+        return []
+    cls = _fsdpv2()
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, cls)]
+
+
+def is_checkpointed(module: Any) -> bool:
+    """True when torch_xla's ``checkpoint_module`` replaced ``module``'s own forward (not a wrapper's)."""
+    return "_xla_checkpointed_forward_original" in vars(module)
+
+
+def _drop_inner(module: Any, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+    inner = prefix + INNER_PREFIX
+    for key in [k for k in state_dict if k.startswith(inner)]:  # the wrapper's own keys, last and in order
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+    meta = getattr(state_dict, "_metadata", None)
+    if meta is not None:
+        for key in [k for k in meta if k == inner[:-1] or k.startswith(inner)]:
+            meta[prefix + key[len(inner):]] = meta.pop(key)
+
+
+def _add_inner(module: Any, state_dict: Any, prefix: str, *_: Any) -> None:
+    inner = prefix + INNER_PREFIX
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+def plain_keys(wrapper: Any) -> Any:
+    """Make a wrapper's ``state_dict()`` keys its module's own (no ``_orig_module.``), and load them back."""
+    wrapper.register_state_dict_post_hook(_drop_inner)
+    wrapper.register_load_state_dict_pre_hook(_add_inner)
+    return wrapper
 
 
 def spmd_checkpoint_planners() -> tuple[Any, Any]:
