@@ -2,7 +2,8 @@
 
 - ``Trainer(..., callbacks=[tpukit.hf.Callback()])``: checks the setup before anything
   compiles (a fused optimizer, a last partial batch, logging every step, dynamic padding,
-  ``torch_compile``, fp16/bf16), one step record per optimizer step, the live dashboard,
+  ``torch_compile``, fp16/bf16; with FSDPv2: no SPMD, a model sharded before the Trainer, and
+  transformers 5.x's missing optimizer, made), one step record per optimizer step, the live dashboard,
   recompilation alarms in the Trainer's terms (the batch by its keys, the collator and
   its fix), ``summary()`` with ``alarms`` and ``forced_reads``.
 - ``Trainer(..., data_collator=tpukit.hf.BucketCollator(tokenizer, lengths=...))``: a few

@@ -80,11 +80,12 @@ class Callback:
 
     # ------------------------------------------------------------------ the Trainer's events
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """The Trainer is built: refuse what cannot work on XLA now, before ``train()``; an FSDP-XLA
-        Trainer gets the optimizer its ``train()`` would not make (:func:`~.checks.fix_fsdp_xla_optimizer`)."""
+        """The Trainer is built: refuse what cannot work on XLA now, before ``train()`` (an FSDPv2 Trainer's
+        traps: :func:`~.checks.check_fsdp_v2`); an FSDP-XLA Trainer gets the optimizer its ``train()`` would
+        not make (:func:`~.checks.fix_fsdp_xla_optimizer`)."""
         checks.refuse(args)
         trainer = checks.trainer_of(self)
-        self._made = []
+        self._made = checks.check_fsdp_v2(args, kwargs.get("model", getattr(trainer, "model", None)))
         if trainer is not None and checks.fix_fsdp_xla_optimizer(trainer):
             self._made.append(checks.FSDP_XLA_OPTIMIZER)
             checks._warn(checks.FSDP_XLA_OPTIMIZER)

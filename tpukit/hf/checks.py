@@ -5,7 +5,9 @@
 first batch is fetched). Each finding is a :class:`~tpukit.TpukitWarning` saying what it
 costs and what to change, or a :class:`~tpukit.TpukitError` when training cannot work; a
 fused optimizer, which would crash at the first ``optimizer.step()``, is switched to the
-plain one and the warning says so. Reads the Trainer's objects only; imports no transformers.
+plain one and the warning says so. :func:`check_fsdp_v2` runs earlier, when the Trainer is built
+(``on_init_end``): the traps of torch_xla's FSDPv2 through the Trainer. Reads the Trainer's objects only;
+imports no transformers.
 """
 
 from __future__ import annotations
@@ -167,8 +169,11 @@ def check_training(args: Any, optimizer: Any = None, train_dataloader: Any = Non
 # transformers' Trainer with torch_xla's FSDP (fsdp_config={"xla": True, ...}, FSDPv2 included) delays making
 # its optimizer until the model is wrapped, then makes it only on the branch of a model accelerate prepares;
 # an FSDP-XLA model is wrapped by the Trainer itself, so no optimizer is made and create_scheduler fails
-# before the first step ("'NoneType' object has no attribute 'param_groups'"; transformers 5.15 and 5.24's
-# Trainer._prepare_for_training, read and run here). 4.x made the delayed optimizer on both branches.
+# before the first step ("'NoneType' object has no attribute 'param_groups'"). Run here (the scenario
+# tests/scenarios/hf_fsdpv2.py, mode plain) on transformers 5.15.0 (Colab: Python 3.13, torch_xla 2.9),
+# 5.24.0 (Kaggle's stack: torch_xla 2.8) and 5.25.0 (the newest on the index when checked, December 2026:
+# its Trainer._prepare_for_training is unchanged): each fails the same way, and each trains with the fix.
+# 4.x made the delayed optimizer on both branches. Upstream issue: not found (none could be searched from here).
 FSDP_XLA_OPTIMIZER = (
     "this transformers' Trainer never makes the optimizer of an FSDP-XLA run (fsdp_config xla=True): train() "
     "fails in create_scheduler with \"'NoneType' object has no attribute 'param_groups'\". tpukit makes it where "
@@ -192,6 +197,54 @@ def fix_fsdp_xla_optimizer(trainer: Any) -> bool:
 
     trainer.create_scheduler = create_scheduler
     return True
+
+
+def fsdp_v2(args: Any) -> bool:
+    """True for ``TrainingArguments`` asking torch_xla's FSDPv2 (``fsdp=...``, ``fsdp_config={"xla": True,
+    "xla_fsdp_v2": True}``), the Trainer's SPMD sharding."""
+    config = getattr(args, "fsdp_config", None) or {}
+    return bool(getattr(args, "fsdp", None)) and bool(config.get("xla")) and bool(config.get("xla_fsdp_v2"))
+
+
+FSDPV2_NO_SPMD = (
+    "fsdp_config xla_fsdp_v2=True shards the model with SPMD, which this runtime does not run: trainer.train() "
+    "would fail in torch_xla's mark_sharding (\"Check failed: UseVirtualDevice()\"). Call "
+    "tpukit.setup(spmd=True) first, before anything touches the TPU (restart the kernel if the runtime already "
+    "started), or drop fsdp/fsdp_config to train on one device.")
+
+
+def _wrapped_by_fsdp(model: Any) -> bool:
+    return any(c.__name__ in ("SpmdFullyShardedDataParallel", "XlaFullyShardedDataParallel")
+               for c in type(model).__mro__)
+
+
+def check_fsdp_v2(args: Any, model: Any) -> list[str]:
+    """What breaks an FSDPv2 Trainer before it starts (``Callback.on_init_end`` runs it, before the Trainer
+    wraps the model): no SPMD, or a model already FSDP-wrapped (``tpukit.fsdp``), raise
+    :class:`TrainerSetupError`; parameters already carrying a sharding (``mark_sharding`` by hand), which
+    FSDPv2 leaves as they are, warn. Returns the warnings given (each also a TpukitWarning)."""
+    if not fsdp_v2(args):
+        return []
+    if not _xla.is_spmd():
+        raise TrainerSetupError(FSDPV2_NO_SPMD)
+    if _wrapped_by_fsdp(model):
+        raise TrainerSetupError(
+            f"the model is already wrapped for FSDP ({type(model).__name__}, as tpukit.fsdp(model, mesh) returns) "
+            f"and fsdp_config xla_fsdp_v2=True wraps it again: trainer.train() would fail with \"Cannot wrap a "
+            f"module that is already wrapped with FSDP\". Pass the model itself (wrapped.module) and let the "
+            f"Trainer shard it, or keep tpukit.fsdp and train it with tpukit.track instead of the Trainer.")
+    params = list(model.parameters()) if model is not None else []
+    marked = [p for p in params if _xla.is_xla_tensor(p) and _xla.sharding_spec(p)]
+    if not marked:
+        return []
+    whole = sum(not _xla.is_sharded(p) for p in marked)
+    text = (f"{len(marked)} of the model's {len(params)} parameters already carry a sharding ({whole} of them "
+            f"replicated: whole on every device), and FSDPv2 shards only the parameters that carry none: those "
+            f"stay as they are, {'so this run saves no memory on them' if whole else 'on their own mesh'}. Pass "
+            f"the model without marking its parameters (no xs.mark_sharding, no tpukit.fsdp): the Trainer shards "
+            f"each one over its 'fsdp' axis.")
+    _warn(text)
+    return [text]
 
 
 def trainer_of(callback: Any, depth: int = 8) -> Any:
