@@ -52,6 +52,16 @@ class StepRecord:
     tracing_time: float | None = None
     wait_time: float | None = None
     device_time: float | None = None
+    # How fast against the chip (None where unknown; see docs/dashboard.md#how-fast-against-the-chip):
+    # tokens: the input_ids elements of the step's batches (a language model's); flops: the step's model FLOPs
+    # over all the chips it ran on, flops_source saying whose count (the TPU compiler's for the target, or
+    # 6·N·tokens); peak_flops: those chips' dense bf16 peak FLOP/s (None off a TPU), peak_source what it is
+    # of, or why there is none ("n/a: not a TPU").
+    tokens: int | None = None
+    flops: float | None = None
+    flops_source: str | None = None
+    peak_flops: float | None = None
+    peak_source: str | None = None
 
     @property
     def wall(self) -> float:
@@ -78,6 +88,26 @@ class StepRecord:
         """Examples per second, when the batch size is known."""
         return self.batch_size / self.wall if self.batch_size and self.wall > 0 else None
 
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Tokens per second of wall time, for a language model's batch (``tokens``)."""
+        return self.tokens / self.wall if self.tokens and self.wall > 0 else None
+
+    @property
+    def flops_per_s(self) -> float | None:
+        """Achieved model FLOP/s: the step's ``flops`` over its wall time."""
+        return self.flops / self.wall if self.flops and self.wall > 0 else None
+
+    def mfu_against(self, peak: float) -> float | None:
+        """Model FLOPs utilization against ``peak`` FLOP/s (of all the chips the step ran on): achieved / peak."""
+        achieved = self.flops_per_s
+        return achieved / peak if achieved is not None and peak > 0 else None
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilization against the chips' peak (``peak_flops``); None off a TPU or without FLOPs."""
+        return self.mfu_against(self.peak_flops) if self.peak_flops else None
+
 
 class Clock:
     """Turns consecutive syncs into StepRecords by differencing metric snapshots."""
@@ -91,11 +121,12 @@ class Clock:
         self.busy_until = self.last_time
 
     def tick(self, scalars: dict, batch_size: int | None = None, settle: float = 3.0,
-             sync: tuple[float, float] | None = None, **times: float) -> StepRecord:
+             sync: tuple[float, float] | None = None, tokens: int | None = None, **times: float) -> StepRecord:
         """The record of the step that ended at the sync just made (``times``: the measured
         ``input_time``, ``tracing_time``, ``wait_time`` of a tracked step; compile time is
         taken out of the tracing time here, and with ``sync``, the sync's ``(unix start,
-        seconds)``, so is the time the sync waited for the device: see :func:`sync_wait`).
+        seconds)``, so is the time the sync waited for the device: see :func:`sync_wait`; ``tokens``: the
+        tokens of its batches, a language model's).
         Its compile events are the reader's, classified (waiting at most ``settle`` seconds),
         or as they are now with ``settle=0``: a tracked loop settles them later, with
         :func:`settle`, when waiting costs nothing."""
@@ -116,7 +147,7 @@ class Clock:
                          eager_compiles=d.eager_compiles,
                          compile_time=d.compile_time, executions=d.executions, execute_time=d.execute_time,
                          to_host=d.to_host, item_reads=d.item_reads, scalars=scalars,
-                         batch_size=batch_size, compile_events=events_, fallbacks=d.fallbacks,
+                         batch_size=batch_size, tokens=tokens, compile_events=events_, fallbacks=d.fallbacks,
                          device_time=self.drain(executed) if times else None, **times)
         self.last, self.last_time = now_snap, now_snap.time
         return rec

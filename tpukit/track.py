@@ -14,20 +14,23 @@ import dis
 import gc
 import logging
 import math
+import os
 import statistics
 import sys
 import time
 import types
 import warnings
+from collections.abc import Mapping
 from typing import Any, Iterable, Iterator
 
-from . import _tree, _xla, compiles, events, metrics, steps, tpu
+from . import _tree, _xla, compiles, events, metrics, runtime, steps, tpu
 from ._tree import to_device
 from .errors import TpukitWarning
 from .guards import StepGuard
 from .spmd import device_loader
 from .steps import StepRecord
-from .verdict import Verdict, bottleneck
+from .tpu.compiler.targets import CHIPS, Chip
+from .verdict import NOT_A_TPU, Verdict, bottleneck, model_flops, rate
 
 _END = object()
 _DROPS_ITERATOR = ("POP_TOP", "POP_ITER")  # how a frame drops its for loop's iterator (break, return)
@@ -81,6 +84,37 @@ def batch_size_of(batch: Any) -> int | None:
     return None
 
 
+def tokens_of(batch: Any) -> int | None:
+    """The tokens of a language model's batch: the element count of a dict batch's ``input_ids`` (its shape
+    only: no device read, padding included), else None."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    return math.prod(ids.shape) if hasattr(ids, "shape") else None
+
+
+# A TPU's name as the runtime or the VM gives it ("v5litepod-8", "TPU v5 lite", "v6e-8"), lower case with
+# spaces and "tpu" dropped, by prefix -> its chip (tpukit.tpu.compiler.targets.CHIPS): the first match wins.
+_CHIP_PREFIXES = (("v5litepod", "v5e"), ("v5lite", "v5e"), ("v5e", "v5e"), ("v6lite", "v6e"), ("v6e", "v6e"),
+                  ("v5p", "v5p"), ("v5", "v5p"), ("v4", "v4"))
+
+
+def chip_named(name: str | None) -> Chip | None:
+    """The chip of a TPU named as the runtime or the TPU VM names it (``v5litepod-8``, ``TPU v5 lite``), or None."""
+    key = (name or "").lower().replace(" ", "").replace("tpu", "")
+    return next((CHIPS[chip] for prefix, chip in _CHIP_PREFIXES if key.startswith(prefix)), None)
+
+
+def chip_peak(device_type: str | None, accelerator: str | None, chips: int = 1) -> tuple[float | None, str]:
+    """The dense bf16 peak FLOP/s of ``chips`` chips of the TPU called ``accelerator`` and what it is of, or
+    None and why there is none: ``"n/a: not a TPU"`` when ``device_type`` (the PJRT device's) is not TPU."""
+    if device_type != "TPU":
+        return None, NOT_A_TPU
+    chip = chip_named(accelerator)
+    if chip is None:
+        return None, f"n/a: the TPU {accelerator!r} is none of the chips tpukit knows the peak of ({', '.join(CHIPS)})"
+    each = chip.peak_bf16_flops
+    return each * chips, f"{chips} × {chip.name} at {each / 1e12:g} TFLOP/s (dense bf16)"
+
+
 def input_signature(batch: Any) -> tuple:
     """``((path, shape, dtype), ...)`` of a batch's tensors: what the classifier compares."""
     return tuple((path, tuple(t.shape), str(t.dtype))
@@ -112,8 +146,10 @@ class Tracker:
 
     def __init__(self, iterable: Iterable, total: int | None, device: Any, mesh: Any, progress: bool,
                  desc: str | None, guard: StepGuard | None, dashboard: bool, batch_size: int | None,
-                 shapes: Any = None, hint: str | None = None, place: Any = None, alarms: bool = True):
+                 shapes: Any = None, hint: str | None = None, place: Any = None, alarms: bool = True,
+                 model: Any = None):
         self.iterable = iterable
+        self.model = model  # for 6·N·tokens where no TPU compiler counts the step's FLOPs (N: its parameters)
         self.alarms = alarms  # one logged line per recompilation (unless the loop's dashboard shows them)
         self.hint = hint  # the loop's own fix for a batch that changed shape (the classifier's hint)
         self.place = place  # CompileEvent -> where it happened in the loop's terms (LoopContext.place)
@@ -216,15 +252,21 @@ class Tracker:
         self._start(_progress_bar(self.total, self.desc) if self.progress else None)
         self._loop.__enter__()
 
-    def before_step(self, batch: Any, input_time: float = 0.0) -> None:
+    def before_step(self, batch: Any, input_time: float = 0.0, train: bool = True) -> None:
         """The step about to be traced takes ``batch`` (its signature is what the classifier compares;
         ``input_time``: seconds spent waiting for it). Called again in the same step (gradient
-        accumulation, an evaluation), it notes the new batch and keeps the step's timing."""
+        accumulation, an evaluation), it notes the new batch and keeps the step's timing; the tokens of its
+        batches add up, but for those given with ``train=False`` (an evaluation's: not trained on)."""
         if self._t1 is None:  # the step's first batch (a step may take several: accumulation, evaluation)
             self._t1 = time.perf_counter()
             self._input_time = input_time
-        self._loop.note_inputs(input_signature(batch))
+        signature = input_signature(batch)
+        self._loop.note_inputs(signature)
         self._n = self.batch_size or batch_size_of(batch)
+        self._sig += (signature,)
+        tokens = tokens_of(batch) if train else None
+        if tokens is not None:  # a step's batches (gradient accumulation's) add up
+            self._tokens = (self._tokens or 0) + tokens
 
     def after_step(self, sync: bool = True, scalars: dict | None = None) -> None:
         """The step's work is queued: read the logged values of earlier steps if they have waited
@@ -251,9 +293,10 @@ class Tracker:
         times = {"input_time": self._input_time, "tracing_time": (t2 - t1) + (t4 - t3), "wait_time": t3 - t2}
         # The sync's wait for the previous step's execution is the device's time, not tracing.
         rec = self._clock.tick(dict(scalars or {}), self._n, settle=0, sync=(began, t4 - t3) if sync else None,
-                               **times)
+                               tokens=self._tokens, **times)
         self._unread.add(rec, steps.take_synced(), self._clock.span, t4)
-        self._t1, self._input_time = None, 0.0
+        self._sigs[rec.step] = self._seen.setdefault(self._sig, self._sig)  # one copy of each signature
+        self._t1, self._input_time, self._tokens, self._sig = None, 0.0, None, ()
         self._publish_read(keep_last=True)  # while the device runs this step
 
     def end(self, completed: bool = True) -> None:
@@ -287,6 +330,16 @@ class Tracker:
         self._t1: float | None = None
         self._input_time = 0.0
         self._n: int | None = None
+        self._tokens: int | None = None  # the step's tokens so far (tokens_of its batches)
+        self._sig: tuple = ()  # the input signatures of the step's batches
+        self._sigs: dict[int, tuple] = {}  # step -> its batches' signatures (which graphs it ran)
+        self._seen: dict[tuple, tuple] = {}  # each distinct step signature, once
+        self._graphs: dict[tuple, tuple] = {}  # signatures -> the graphs of the last step with them that compiled
+        self._parameters: int | None = None
+        self._chips = _xla.device_count() if _xla.is_spmd() else 1  # the chips one step runs on
+        rt = runtime.current()
+        self.peak = chip_peak(_xla.device_type(), (rt.accelerator_type if rt else None)
+                              or os.environ.get("TPU_ACCELERATOR_TYPE"), self._chips)  # (FLOP/s or None, of what)
         self.started = time.time()
         self.stopped = None
         self.follower = tpu.follower()
@@ -322,6 +375,8 @@ class Tracker:
     def _publish(self, rec: StepRecord, span: tuple, bar: Any) -> None:
         """Settle a step's record (its compiles classified), keep it and send it to the listeners."""
         rec = steps.Clock.settle(rec, span)  # classified by now (their HLO arrives after the sync)
+        self._note_graphs(rec)
+        rec = self.rated(rec)
         self.history.append(rec)
         events.call("on_step", rec)
         if self.alarms and self.dashboard is None:
@@ -337,6 +392,40 @@ class Tracker:
             except BaseException as exc:
                 self.stopped = Stopped.of(exc, rec.step)
                 raise
+
+    def rated(self, rec: StepRecord) -> StepRecord:
+        """``rec`` with its model FLOPs and the chips' peak: the TPU compiler's count for the target when it
+        has answered for every graph the step ran (its per-chip count times the chips an SPMD graph is
+        partitioned over: the step's total), else 6·N·tokens when the loop knows its model (``track(model=
+        ...)``) and the step's tokens; None otherwise. A step that compiled nothing ran the graphs of the last
+        step with the same batch shapes that compiled (:meth:`_note_graphs`)."""
+        flops, source = self._compiler_flops(self._graphs.get(self._sigs.get(rec.step, ()), ()))
+        if flops is None and rec.tokens and self.model is not None:
+            if self._parameters is None:  # counted once, after the first step re-tied any tied weights
+                self._parameters = sum(p.numel() for p in self.model.parameters())
+            flops = model_flops(self._parameters, rec.tokens)
+            source = f"6·N·tokens (N = {self._parameters:,} parameters, tokens = input_ids elements)" + source
+        return dataclasses.replace(rec, flops=flops, flops_source=source if flops is not None else None,
+                                   peak_flops=self.peak[0], peak_source=self.peak[1])
+
+    def _note_graphs(self, rec: StepRecord) -> None:
+        """A published step that compiled: its graphs are those its batch shapes run, until another compiles."""
+        found = tuple(e for e in rec.compile_events if not e.eager)
+        if found:
+            self._graphs[self._sigs.get(rec.step, ())] = found
+
+    def _compiler_flops(self, graphs: tuple) -> tuple[float | None, str]:
+        """The TPU compiler's count of the FLOPs of ``graphs`` (all answered) and its source; else None and
+        what to add to the fallback's source (the target's count still to come)."""
+        if self.follower is None or not graphs:
+            return None, ""
+        answers = [(e, self.follower.estimate_of(e)) for e in graphs]
+        if any(est is None or est.flops is None for _, est in answers):
+            return None, f"; the TPU compiler's count for {self.follower.target.name} not in yet"
+        parts = [e.graph.partitions if e.graph is not None else self._chips for e, _ in answers]
+        total = sum(est.flops * p for (_, est), p in zip(answers, parts))
+        each = "per chip" if max(parts) == 1 else f"per chip × the {max(parts)} chips of the SPMD graph"
+        return total, f"the TPU compiler for {self.follower.target.name} ({each})"
 
     def step_times(self) -> list[float]:
         """Wall seconds of each step."""
@@ -367,10 +456,16 @@ class Tracker:
         on their way (a large graph takes the compiler minutes); a graph it has no answer for yet has
         ``"pending": True``: ask again later, or pass a longer ``wait``. ``"stopped"``: None when the loop ran
         out or was left by ``break``/``return``; when an exception ended it, ``{"error": its type's name,
-        "message": ..., "step": the step it was raised in}``."""
+        "message": ..., "step": the step it was raised in}``. How fast, over the steady steps (none
+        compiled): ``tokens_per_s``, ``flops_per_step`` and ``flops_source`` (whose count: the TPU compiler's
+        for the target once it answered, else 6·N·tokens), ``tflops`` (achieved), ``mfu`` (None off a TPU)
+        and ``mfu_note`` (``38% of 1 × v5e at 197 TFLOP/s (dense bf16)``, or ``n/a: not a TPU``)."""
         h = self.history
         steady = [r.wall for r in h if r.compiles == 0] or [r.wall for r in h]
         kinds = [e.kind for r in h for e in r.compile_events]
+        tpu_rows = _tpu_rows(self.follower, [e for r in h for e in r.compile_events], wait)
+        # The steady steps again, now that the TPU compiler may have answered for their graphs.
+        speed = rate([self.rated(r) for r in ([r for r in h if r.compiles == 0] or h)])
         v = self.verdict()
         eager = sum(r.eager_compiles for r in h)
         places = list(dict.fromkeys(f"{e.cause} at {e.where}" for r in h for e in r.compile_events if e.eager))
@@ -391,7 +486,13 @@ class Tracker:
             "shares": dict(v.shares) if v else {},
             "verdict": f"{v.sentence}; {v.suggestion}" if v else None,
             "last_scalars": dict(h[-1].scalars) if h else {},
-            "tpu": _tpu_rows(self.follower, [e for r in h for e in r.compile_events], wait),
+            "tokens_per_s": speed.tokens_per_s,
+            "flops_per_step": speed.flops_per_step,
+            "flops_source": speed.flops_source,
+            "tflops": speed.tflops,
+            "mfu": speed.mfu,
+            "mfu_note": speed.mfu_note,
+            "tpu": tpu_rows,
         }
 
 
@@ -436,7 +537,7 @@ def _progress_bar(total: int | None, desc: str | None):
 def track(iterable: Iterable, *, total: int | None = None, device: Any = None, mesh: Any = None,
           progress: bool = True, desc: str | None = None, guard: StepGuard | None = None,
           dashboard: bool = False, batch_size: int | None = None, shapes: Any = None,
-          alarms: bool = True) -> Tracker:
+          alarms: bool = True, model: Any = None) -> Tracker:
     """Wrap a data loader: batches arrive on the device, each step is synced once and recorded.
 
     Use it as a plain ``for`` loop. A ``torch.utils.data.DataLoader`` (or any
@@ -451,12 +552,15 @@ def track(iterable: Iterable, *, total: int | None = None, device: Any = None, m
     compiled again for a changed shape or value) is said in one line as its step is recorded,
     through the ``tpukit`` logger (a warning: stderr unless logging is configured otherwise),
     with its step, cause and fix; ``alarms=False`` keeps quiet (``summary()`` still counts
-    them), and with ``dashboard=True`` the dashboard shows them instead. The returned
+    them), and with ``dashboard=True`` the dashboard shows them instead. ``model``: the model the loop
+    trains, for its steps' model FLOPs by 6·N·tokens (a language model's dict batch with ``input_ids``) where
+    no target TPU's compiler counted them: each record then has ``tokens``, ``flops``, ``flops_source`` and,
+    on a TPU, the MFU against the chips' peak (see docs/dashboard.md). The returned
     :class:`Tracker` keeps ``history`` (one :class:`StepRecord` per step), ``summary()`` and
     ``verdict()``.
     """
     return Tracker(iterable, total, device, mesh, progress, desc, guard, dashboard, batch_size, shapes,
-                   alarms=alarms)
+                   alarms=alarms, model=model)
 
 
 def dashboard(**options: Any) -> Any:

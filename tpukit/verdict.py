@@ -1,13 +1,80 @@
-"""Where a loop's time went: the bottleneck verdict over its step records.
+"""Where a loop's time went, and how fast it went against the chip, over its step records.
 
 Four shares of the wall time, each measured by the loop (``tpukit.track``) or read
 from a profile: compiling, waiting for input, host tracing, device busy time. The
 rule that turns them into one word and a suggestion lives here and nowhere else.
+:func:`rate` is the one place a run of steps' tokens/s, achieved FLOP/s and MFU are
+summed (the summary, the verdict and the dashboard use it); :func:`model_flops` is
+the 6·N·tokens count used where no TPU compiler counted the step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+NOT_A_TPU = "n/a: not a TPU"  # the MFU off a TPU (XLA:CPU): there is no chip peak to measure against
+NO_FLOPS = ("n/a: no FLOPs count (pass track(model=...) for 6·N·tokens of a language model's batch, or set a "
+            "target TPU: setup(target=...) for the TPU compiler's count)")
+
+
+def model_flops(parameters: int, tokens: int) -> float:
+    """A training step's model FLOPs by the usual estimate: 6·N·tokens (forward 2·N, backward 4·N per token,
+    N the parameter count; attention's own FLOPs not counted)."""
+    return 6.0 * parameters * tokens
+
+
+@dataclass(frozen=True)
+class Rate:
+    """How fast a run of steps went: tokens/s, model FLOPs per step and achieved FLOP/s, and the MFU against
+    the chips' peak (None where unknown; ``peak_source``: what the peak is of, or why there is none)."""
+
+    steps: int
+    tokens_per_s: float | None = None
+    flops_per_step: float | None = None
+    flops_source: str | None = None
+    flops_per_s: float | None = None
+    peak_flops: float | None = None
+    peak_source: str | None = None
+
+    @property
+    def tflops(self) -> float | None:
+        """Achieved TFLOP/s."""
+        return self.flops_per_s / 1e12 if self.flops_per_s is not None else None
+
+    def mfu_against(self, peak: float) -> float | None:
+        """Achieved FLOP/s over ``peak`` FLOP/s (of all the chips the steps ran on)."""
+        return self.flops_per_s / peak if self.flops_per_s is not None and peak > 0 else None
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilization against the chips' peak; None off a TPU or without a FLOPs count."""
+        return self.mfu_against(self.peak_flops) if self.peak_flops else None
+
+    @property
+    def mfu_note(self) -> str:
+        """``38% of 8 × v5e at 197 TFLOP/s (dense bf16)``, or why there is no MFU (``n/a: not a TPU``)."""
+        if self.flops_per_s is None:
+            return NO_FLOPS
+        if self.mfu is None:
+            return self.peak_source or NOT_A_TPU
+        return f"{self.mfu:.0%} of {self.peak_source}"
+
+
+def rate(records: list) -> Rate:
+    """:class:`Rate` of ``records`` (step records): tokens/s over those with tokens; FLOPs over those counted
+    like the last counted one (``flops_source``: a count that changed mid-run, the TPU compiler's answer
+    arriving, is not mixed), FLOP/s their FLOPs over their wall time."""
+    with_tokens = [r for r in records if getattr(r, "tokens", None)]
+    wall = sum(r.wall for r in with_tokens)
+    tokens_per_s = sum(r.tokens for r in with_tokens) / wall if with_tokens and wall > 0 else None
+    counted = [r for r in records if getattr(r, "flops", None)]
+    if not counted:
+        return Rate(len(records), tokens_per_s)
+    last = counted[-1]
+    same = [r for r in counted if r.flops_source == last.flops_source]
+    wall = sum(r.wall for r in same)
+    return Rate(len(records), tokens_per_s, last.flops, last.flops_source,
+                sum(r.flops for r in same) / wall if wall > 0 else None, last.peak_flops, last.peak_source)
 
 BOTTLENECKS = ("compile", "input", "tracing", "device")
 _SUGGEST = {
@@ -38,6 +105,7 @@ class Verdict:
     settled: bool
     sentence: str
     suggestion: str
+    rate: Rate | None = None  # how fast the judged steps went: tokens/s, FLOP/s, MFU (see :func:`rate`)
 
 
 def bottleneck(records: list, settled_after: int | None = None, tail_wait: float = 0.0,
@@ -78,5 +146,7 @@ def bottleneck(records: list, settled_after: int | None = None, tail_wait: float
     over = (f"the {len(judged)} steps after step {settled_after}" if settled and settled_after
             else f"all {len(judged)} steps" + ("" if settled else " (the loop never settled)"))
     pct = ", ".join(f"{k} {shares[k]:.0%}" for k in BOTTLENECKS)
-    sentence = f"{kind}-bound over {over}: {pct} of the wall time"
-    return Verdict(kind, shares, len(judged), settled, sentence, _SUGGEST[kind])
+    speed = rate(judged)
+    mfu = f" at {speed.mfu:.0%} MFU" if speed.mfu is not None else ""
+    sentence = f"{kind}-bound{mfu} over {over}: {pct} of the wall time"
+    return Verdict(kind, shares, len(judged), settled, sentence, _SUGGEST[kind], speed)

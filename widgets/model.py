@@ -24,6 +24,7 @@ from collections import deque
 from typing import Any
 
 from tpukit.compiles import EXPECTED, FLUSH_CUT, KINDS, NEW, RECOMPILATION
+from tpukit.verdict import rate
 
 from .view import Compile, Timeline, View, now_line
 
@@ -34,6 +35,8 @@ BUSY_AFTER_STEP_S = 2.0
 # more often than 50 times its own cost (a long history costs the loop under 2%).
 JUDGE_EVERY_S = 1.0
 JUDGE_COST_RATIO = 50.0
+# Tokens/s, TFLOP/s and MFU are over the latest steps that counted tokens or FLOPs (the steady ones among them).
+RATE_STEPS = 64
 
 
 class DashboardState:
@@ -52,6 +55,7 @@ class DashboardState:
         self._cols = {k: deque(maxlen=h) for k in ("steps", "compile", "input", "tracing", "device")}
         self._wall: deque = deque(maxlen=h)
         self._steady: deque = deque(maxlen=h)  # walls of steps without a compile
+        self._rated: deque = deque(maxlen=RATE_STEPS)  # the latest records with tokens or model FLOPs
         self._scalars: dict[str, tuple[deque, deque]] = {}
         self._last_scalars: dict = {}
         self._max_history = h
@@ -128,6 +132,8 @@ class DashboardState:
                 self._fallbacks[op] = self._fallbacks.get(op, 0) + n
             if rec.batch_size:
                 self._record_batch = rec.batch_size
+            if getattr(rec, "tokens", None) or getattr(rec, "flops", None):
+                self._rated.append(rec)
             for name, value in (rec.scalars or {}).items():
                 xs_ys = self._scalars.get(name)
                 if xs_ys is None:
@@ -312,6 +318,7 @@ class DashboardState:
             scalars, note, record_batch = dict(self._last_scalars), self.note, self._record_batch
             tracker, eager_places, tpu = self._tracker, tuple(self._eager_places), tuple(self._tpu.values())
             before, closed = self._compiles_before, self._finished is not None
+            rated = list(self._rated)
             tracked, loop_done = tracker is not None, getattr(tracker, "finished", None) is not None
         # Step records cover syncs; the metrics delta covers everything since the
         # dashboard opened but is sampled less often. The larger is the fresher.
@@ -328,6 +335,8 @@ class DashboardState:
         throughput = batch / median if batch and median else None
         if note:
             text, kind = note, "stopped"
+        rated = [r for r in rated if not r.compiles] or rated
+        speed = rate(rated) if rated else None
         return View(time=now, elapsed=now - self.opened, steps=n_steps, last_step=last_step,
                     compiles=s["compiles"], cached_compiles=cached, compile_time=s["compile_time"],
                     compile_events=n_events, recompilations=counts[RECOMPILATION], executions=s["executions"],
@@ -339,7 +348,7 @@ class DashboardState:
                     expected=counts[EXPECTED], graphs=graphs, verdict=verdict, settled_after=settled,
                     tracked=tracked, loop_done=loop_done, eager_compiles=s["eager_compiles"],
                     eager_places=eager_places, tpu=tpu, step_compiles=in_steps, compiles_before=before,
-                    closed=closed, stopped=stopped)
+                    closed=closed, stopped=stopped, rate=speed)
 
     def timeline(self) -> Timeline:
         """Copies of the per-step columns and scalar curves for the plot."""

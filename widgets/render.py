@@ -100,6 +100,27 @@ def compiles_text(v: View) -> str:
     return plural(v.compiles, "compile") + (f" ({split})" if split else "")
 
 
+def flops_text(x: float) -> str:
+    """``4.12 GFLOP``: a FLOP count with its unit."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g} FLOP"
+
+
+def rate_rows(v: View) -> list[tuple[str, str]]:
+    """Tokens/s, the model FLOPs per step with whose count it is and the achieved TFLOP/s, and the MFU (or
+    why there is none: ``n/a: not a TPU``), as rows; none when no step counted tokens or FLOPs."""
+    r = v.rate
+    if r is None:
+        return []
+    rows = [("tokens/s", f"{r.tokens_per_s:,.0f}")] if r.tokens_per_s is not None else []
+    if r.flops_per_step is not None:
+        achieved = f", {r.tflops:.3g} TFLOP/s achieved" if r.tflops is not None else ""
+        rows.append(("model FLOPs", f"{flops_text(r.flops_per_step)} per step{achieved} (by {r.flops_source})"))
+    return rows + [("MFU", r.mfu_note)]
+
+
 def counter_rows(v: View) -> list[tuple[str, str]]:
     """The counters as (label, value) rows, shared by HTML and text."""
     split = compiles_split(v)
@@ -126,6 +147,7 @@ def counter_rows(v: View) -> list[tuple[str, str]]:
              ("step time", f"last {seconds(v.last_step_s)}, median {seconds(v.median_step_s)}")]
     if v.throughput is not None:
         rows.append(("throughput", f"{v.throughput:,.1f} examples/s (batch {v.batch_size})"))
+    rows += rate_rows(v)
     if v.memory:
         used, limit = v.memory.get("bytes_used", 0), v.memory.get("bytes_limit", 0)
         rows.append(("device memory", f"{used / 2**20:,.0f} of {limit / 2**20:,.0f} MiB"))
@@ -296,6 +318,11 @@ def text_line(v: View, final: bool = False) -> str:
         parts.append(f"step {seconds(v.last_step_s)} (median {seconds(v.median_step_s)})")
     if v.throughput is not None:
         parts.append(f"{v.throughput:,.1f} ex/s")
+    r = v.rate
+    if r is not None and r.tokens_per_s is not None:
+        parts.append(f"{r.tokens_per_s:,.0f} tokens/s")
+    if r is not None and r.tflops is not None:
+        parts.append(f"{r.tflops:.3g} TFLOP/s, MFU " + (f"{r.mfu:.0%}" if r.mfu is not None else r.mfu_note))
     parts += [f"{k} {x:.4g}" for k, x in list(v.scalars.items())[:3]]
     if v.fallbacks:
         parts.append(plural(sum(v.fallbacks.values()), "CPU fallback"))

@@ -120,6 +120,7 @@ class View:
     compiles_before: int = 0     # of ``compiles``: those of the work tracked loops flushed as they began
     closed: bool = False         # the dashboard was closed: the step records are all in
     stopped: str | None = None   # "stopped by RuntimeError at step 1": the tracked loop ended by an exception
+    rate: Any = None             # tpukit.verdict.Rate of the latest steps with tokens or FLOPs (None: none had)
 
 
 @dataclass(frozen=True)
