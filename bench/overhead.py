@@ -63,6 +63,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from tpukit._xla import versions
 
+from _timing import CountingListener, busy_jiffies, interval, others_share, rotated
+
 STEPS = int(os.environ.get("BENCH_STEPS", "60"))
 REPS = int(os.environ.get("BENCH_REPS", "30"))  # per-repetition ratios spread by +-8% here: 30 pin the median
 WARMUP = 8
@@ -127,16 +129,6 @@ def idiomatic(model, opt, loader):
     return times, time.perf_counter() - start, time.process_time() - cpu0, time.thread_time() - th0
 
 
-class CountingListener:
-    """Stands in for the dashboard: receives every record."""
-
-    def __init__(self):
-        self.steps = 0
-
-    def on_step(self, rec):
-        self.steps += 1
-
-
 class TpuAnswers:
     """With a target set: each graph's answer from the TPU compiler's worker, and when it arrived."""
 
@@ -179,39 +171,6 @@ def tracked(model, opt, loader):
 RUN = {"bare": bare, "idiomatic": idiomatic, "tpukit": tracked, "idiomatic_again": idiomatic}
 
 
-def _busy_jiffies() -> tuple[int, int] | None:
-    """(CPU jiffies the whole machine was busy, jiffies of this process), from /proc; None elsewhere."""
-    try:
-        with open("/proc/stat") as f:
-            cpu = [int(v) for v in f.readline().split()[1:]]
-        with open("/proc/self/stat") as f:
-            mine = f.read().rsplit(")", 1)[1].split()
-    except (OSError, ValueError, IndexError):
-        return None
-    idle = cpu[3] + (cpu[4] if len(cpu) > 4 else 0)  # idle + iowait
-    return sum(cpu[:8]) - idle, int(mine[11]) + int(mine[12])  # utime + stime of all our threads
-
-
-def _others_share(before, after, seconds: float) -> float | None:
-    """Fraction of the machine's CPU used by *other* processes between two _busy_jiffies()."""
-    if before is None or after is None or seconds <= 0:
-        return None
-    hz = os.sysconf("SC_CLK_TCK")
-    others = (after[0] - before[0]) - (after[1] - before[1])
-    return max(0.0, others / hz / (seconds * (os.cpu_count() or 1)))
-
-
-def interval(values: list[float], draws: int = 2000, level: float = 0.9) -> tuple[float, float]:
-    """A bootstrap interval of the median of ``values`` (``level``: its coverage), seeded: the same
-    ratios give the same interval."""
-    import random
-
-    rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
-    cut = int(draws * (1 - level) / 2)
-    return meds[cut], meds[-cut - 1]
-
-
 def main() -> int:
     med = statistics.median
     model, opt, loader, warm = make()
@@ -223,9 +182,9 @@ def main() -> int:
     timed_from = time.perf_counter()
     print(f"{REPS} repetitions of {STEPS} steps, loops in rotating order", flush=True)
     for r in range(REPS):
-        order = LOOPS[r % len(LOOPS):] + LOOPS[:r % len(LOOPS)]
+        order = rotated(LOOPS, r)
         rep: dict = {}
-        j0, w0 = _busy_jiffies(), time.perf_counter()
+        j0, w0 = busy_jiffies(), time.perf_counter()
         for name in order:
             times, total, cpu, loop_cpu = RUN[name](model, opt, loader)
             assert len(times) == STEPS, (name, len(times))
@@ -238,7 +197,7 @@ def main() -> int:
                 "cpu_ms": cpu / STEPS * 1e3,             # CPU of the whole process (XLA:CPU's threads too)
                 "loop_thread_cpu_ms": loop_cpu / STEPS * 1e3,
             }
-        rep["others"] = _others_share(j0, _busy_jiffies(), time.perf_counter() - w0)
+        rep["others"] = others_share(j0, busy_jiffies(), time.perf_counter() - w0)
         rep["quiet"] = rep["others"] is None or rep["others"] <= QUIET
         reps.append(rep)
         b, i, t, i2 = (rep[k]["steady_ms"] for k in LOOPS)
