@@ -338,8 +338,9 @@ class Tracker:
         self._parameters: int | None = None
         self._chips = _xla.device_count() if _xla.is_spmd() else 1  # the chips one step runs on
         rt = runtime.current()
-        self.peak = chip_peak(_xla.device_type(), (rt.accelerator_type if rt else None)
-                              or os.environ.get("TPU_ACCELERATOR_TYPE"), self._chips)  # (FLOP/s or None, of what)
+        names = [n for n in (rt.accelerator_type if rt else None, os.environ.get("TPU_ACCELERATOR_TYPE")) if n]
+        accelerator = next((n for n in names if chip_named(n)), names[0] if names else None)  # the runtime's, or the VM's
+        self.peak = chip_peak(_xla.device_type(), accelerator, self._chips)  # (FLOP/s or None, of what)
         self.started = time.time()
         self.stopped = None
         self.follower = tpu.follower()
