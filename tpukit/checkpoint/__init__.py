@@ -38,13 +38,14 @@ front), ``lock`` (one writing manager per directory), ``chunks`` (device-to-host
 copies in bounded pieces), ``stream`` (payloads written tensor by tensor), ``payload`` (the payload formats and the up-front state check),
 ``rng`` (generator states), ``sharded`` (sharded checkpoint directories),
 ``saveload`` (save, load, verify, the preflight), ``manager`` (CheckpointManager)
-and ``export`` (export_pretrained).
+``wrappers`` (the model inside tpukit.fsdp's and other wrappers, and its own
+key names) and ``export`` (export_pretrained, export_adapters).
 """
 
-from .export import export_pretrained
+from .export import export_adapters, export_pretrained
 from .format import Manifest
 from .manager import CheckpointManager
 from .rng import rng_state, set_rng_state
 from .saveload import load, save, verify
 
-__all__ = ["CheckpointManager", "Manifest", "export_pretrained", "load", "rng_state", "save", "set_rng_state", "verify"]
+__all__ = ["CheckpointManager", "Manifest", "export_adapters", "export_pretrained", "load", "rng_state", "save", "set_rng_state", "verify"]

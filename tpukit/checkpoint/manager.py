@@ -32,6 +32,7 @@ from .payload import check_state
 from .rng import RNG_KEY, rng_state, set_rng_state
 from .sharded import SHARDED, has_sharded_tensors, process_group, saved_keys
 from .saveload import collective, commit, is_master, newest_valid, sync_state, to_cpu
+from .wrappers import match_keys, own_key, own_keys, unwrap
 
 log = logging.getLogger("tpukit")
 
@@ -103,7 +104,10 @@ class CheckpointManager:
         """Save ``state`` (plus a "step" key) as checkpoint ``step``; returns False when ``every`` skips it.
 
         ``step`` is a whole number >= 0. Every replica calls it (all sync); only the
-        master writes.
+        master writes. The ``model`` entry is saved under the model's own key names:
+        the segments wrappers add (``tpukit.fsdp``'s ``_orig_module.``, per layer too,
+        ``torch.compile``'s ``_orig_mod.``) are dropped, so ``restore`` loads it into the
+        model wrapped another way, or bare on one device.
         """
         step = check_step(step)
         if self.every is not None and step % self.every:
@@ -116,6 +120,12 @@ class CheckpointManager:
                 "(or pass rng=False to the CheckpointManager to manage them yourself)."
             )
         state = {"step": step, **state}
+        if isinstance(state.get("model"), dict):  # the model's own names, whatever wrapper it trains in
+            try:
+                state["model"] = own_keys(state["model"])
+            except ValueError as exc:
+                raise CheckpointError(f"Cannot save the model's state: {exc}. Save the wrapper's own "
+                                      "state_dict() under another name than 'model'.") from exc
         check_state(state, "state", self.weights_format)
         master = is_master()
         sync_state(state)
@@ -241,7 +251,7 @@ class CheckpointManager:
         if step_var is not None and not isinstance(step_var, torch.Tensor):
             raise TypeError(f"restore(step_var=...) got a {type(step_var).__name__}; pass a tensor (or None).")
         if model is not None:
-            _xla.ties.retie(model, "CheckpointManager.restore")
+            _xla.ties.retie(unwrap(model), "CheckpointManager.restore")
         self.wait()
         newest = self.all_steps()
         sharded = self._sharded_payload(newest[-1]) if newest else None
@@ -260,8 +270,9 @@ class CheckpointManager:
                     f"save it with manager.save(step, {key}={key}.state_dict())."
                 )
         if model is not None:
-            _check_keys(model, state["model"], strict, f"step {step} in {self.directory}")
-            model.load_state_dict(state["model"], strict=strict)
+            saved_model = _in_model_keys(model.state_dict(), state["model"])
+            _check_keys(model, saved_model, strict, f"step {step} in {self.directory}")
+            model.load_state_dict(saved_model, strict=strict)
         if optimizer is not None:
             check_optimizer_state(optimizer, state["optimizer"], f"step {step} in {self.directory}")
             try:
@@ -296,8 +307,9 @@ class CheckpointManager:
         """The dict a sharded checkpoint loads into: the objects' own state dicts, sharded as they are now."""
         keys = saved_keys(path)
         template: dict[str, Any] = {"step": 0}
-        if model is not None and "model" in keys:
-            template["model"] = model.state_dict()
+        if model is not None and "model" in keys:  # under the names it was saved with (wrapped or not)
+            own = model.state_dict()
+            template["model"] = {saved: own[k] for k, saved in match_keys(own, saved_keys(path, "model")).items()}
         if optimizer is not None and "optimizer" in keys:
             if not optimizer.state:  # its state tensors must exist to be loaded into (torch_xla's recipe)
                 _xla.prime_optimizer(optimizer)
@@ -339,6 +351,18 @@ def _finish(pending: _Pending, lock: DirectoryLock, directory: str) -> None:
             )
     finally:
         lock.release()
+
+
+def _in_model_keys(own: dict, saved: Any) -> Any:
+    """The saved model state keyed as ``own`` (the model's state dict) names it, wrapped or not; saved keys the
+    model has no name for keep their own names (reported as unexpected)."""
+    if not isinstance(saved, dict):
+        return saved
+    matched = match_keys(own, saved)
+    out = {k: saved[s] for k, s in matched.items()}
+    used = set(matched.values())
+    out.update({own_key(s): v for s, v in saved.items() if s not in used})
+    return out
 
 
 def _check_keys(model: torch.nn.Module, saved: dict, strict: bool, where: str) -> None:

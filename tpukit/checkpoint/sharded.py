@@ -232,10 +232,14 @@ def _int_state_keys(tree: Any) -> Any:
     return out
 
 
-def saved_keys(path: Path) -> set[str]:
-    """The top-level keys of the state saved in the sharded checkpoint ``path``."""
+def saved_keys(path: Path, entry: str | None = None) -> set[str]:
+    """The top-level keys of the state saved in the sharded checkpoint ``path``; with ``entry``, the keys of
+    that top-level dict (a model's state-dict names)."""
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     mappings = metadata.planner_data or {}
-    return {str(mappings[k][0]) if k in mappings else k.split(".")[0] for k in metadata.state_dict_metadata}
+    paths = [tuple(mappings[k]) if k in mappings else tuple(k.split(".", 1)) for k in metadata.state_dict_metadata]
+    if entry is None:
+        return {str(p[0]) for p in paths}
+    return {str(p[1]) for p in paths if len(p) == 2 and str(p[0]) == entry}
