@@ -72,6 +72,7 @@ def test_exports_load_on_plain_cpu_transformers_and_peft_and_generate_the_device
     folder, saved = trained
     assert saved["export_files"] == ["config.json", "generation_config.json", "model.safetensors"]
     assert saved["tied_after_fsdp"] is False  # tpukit.fsdp moves the model, which unties it (tie_weights again)
+    assert saved["tied_params"] == 20  # tied again: 21 tensors in the state dict, 20 parameters
     plain = _run("plain", folder)
     assert plain["torch_xla_loaded"] is False and plain["class"] == "LlamaForCausalLM"
     assert plain["weights"] == saved["weights"]  # every tensor, byte for byte, gathered from its 8 shards
