@@ -161,7 +161,7 @@ test-unit: $(STAMP)
 # In this order: the simulated slice's Ray cluster (test_pod) starts after lane 3's install of .venv-colab
 # is over (under an install beside two lanes a Ray node's agents once took longer than its raylet waited).
 UNIT_PART1 := $(addprefix tests/test_,checkpoint_scale.py checkpoint_hardening.py tpu.py tpu_memory.py \
-	tpu_progress.py tpu_plan.py platform.py cells.py parallel.py pod.py)
+	tpu_progress.py tpu_plan.py platform.py cells.py parallel.py pod.py llm_checkpoint.py)
 test-unit-part1: $(STAMP)
 	$(WITH_TEST_FLAGS) $(VPY) -m pytest $(UNIT_PART1) -q -p no:cacheprovider $(NOFH) --durations=25
 test-unit-part2: $(STAMP)
