@@ -51,6 +51,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 import tpukit.hf  # noqa: E402
 from tpukit import _xla  # noqa: E402
 
+from _timing import interval  # noqa: E402  (the bootstrap interval bench/overhead.py and fsdp_loop.py use)
+
 REPS = int(os.environ.get("BENCH_REPS", "7"))
 STEPS = int(os.environ.get("BENCH_STEPS", "24"))
 WARM = 4
@@ -108,16 +110,6 @@ def run(way: str) -> dict:
     cpu = (clock.cpu[-1] - clock.cpu[WARM - 1]) / n
     print(f"{way}: {1000 * steady:.1f} ms/step, {1000 * cpu:.1f} ms CPU/step", file=sys.stderr, flush=True)
     return {"steady_ms": 1000 * steady, "cpu_ms": 1000 * cpu, "compiles": compiles, "steps": len(clock.ends)}
-
-
-def interval(values: list[float], draws: int = 2000, level: float = 0.9) -> tuple[float, float]:
-    """A bootstrap interval of the median of ``values`` (``level``: its coverage), seeded."""
-    import random
-
-    rng = random.Random(0)
-    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
-    cut = int(draws * (1 - level) / 2)
-    return meds[cut], meds[-cut - 1]
 
 
 def main() -> int:
